@@ -1,0 +1,206 @@
+//! Command line and environment configuration. Every setting is a flag with an env
+//! fallback; a missing or malformed one is a one-line error at start, never a panic.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "prism-operator", version, about = "Kubernetes operator for controller elections and Run sessions")]
+pub struct Cli {
+    #[command(flatten)]
+    pub log: LogArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the controllers, the HTTP API, the stale sweep and the job reaper.
+    Run(Box<RunArgs>),
+    /// Print both CRDs as YAML (or write one file per CRD with --out-dir).
+    Crdgen {
+        /// Write `<crd name>.yaml` files into this directory instead of printing.
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
+    },
+    /// Apply the database migrations (idempotent).
+    Migrate(DatabaseArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct LogArgs {
+    /// Log format; the filter comes from RUST_LOG (default `info`).
+    #[arg(long, env = "PRISM_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct DatabaseArgs {
+    /// PostgreSQL URL (postgres://user:password@host:port/db).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// Redis URL (redis://host:port). Redis is required: there is no in-memory fallback.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key this operator writes.
+    #[arg(long, env = "PRISM_REDIS_PREFIX", default_value = "prism")]
+    pub redis_prefix: String,
+    /// Address of the HTTP API (and /healthz, /readyz, /metrics).
+    #[arg(long, env = "PRISM_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// A registration whose last heartbeat is older than this is released as stale.
+    #[arg(long, env = "PRISM_CONTROLLER_PEER_STALE_MINUTES", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(1..=10_080))]
+    pub peer_stale_minutes: u32,
+    /// How often the stale sweep runs (it also runs once at start).
+    #[arg(long, env = "PRISM_SWEEP_INTERVAL_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u32).range(1..=86_400))]
+    pub sweep_interval_seconds: u32,
+    /// Default Run session lease; a RunSession's spec.leaseSeconds overrides it.
+    #[arg(long, env = "PRISM_RUN_LEASE_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u32).range(5..=3600))]
+    pub run_lease_seconds: u32,
+    /// Watch only this namespace (default: all namespaces).
+    #[arg(long, env = "PRISM_WATCH_NAMESPACE")]
+    pub watch_namespace: Option<String>,
+    /// Run controllers and the sweep only on the holder of a coordination.k8s.io Lease.
+    #[arg(long, env = "PRISM_LEADER_ELECTION", default_value = "true", value_parser = parse_switch, action = clap::ArgAction::Set)]
+    pub leader_election: bool,
+}
+
+/// `true/false`, `on/off`, `1/0`, `yes/no`: what people write in Helm values and env.
+fn parse_switch(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "on" | "1" | "yes" => Ok(true),
+        "false" | "off" | "0" | "no" => Ok(false),
+        other => Err(format!("expected true or false, got {other:?}")),
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("{0} is not set (flag --{1})")]
+    Missing(&'static str, &'static str),
+    #[error("{0} is malformed: {1}")]
+    Malformed(&'static str, String),
+}
+
+impl DatabaseArgs {
+    /// The URL, checked for shape only (the connection is tried later).
+    pub fn url(&self) -> Result<&str, ConfigError> {
+        let url = self.database_url.as_deref().filter(|u| !u.trim().is_empty());
+        let url = url.ok_or(ConfigError::Missing("DATABASE_URL", "database-url"))?;
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(ConfigError::Malformed(
+                "DATABASE_URL",
+                "expected postgres://user:password@host:port/database".into(),
+            ));
+        }
+        Ok(url)
+    }
+}
+
+impl RunArgs {
+    pub fn redis_url(&self) -> Result<&str, ConfigError> {
+        let url = self.redis_url.as_deref().filter(|u| !u.trim().is_empty());
+        let url = url.ok_or(ConfigError::Missing("REDIS_URL", "redis-url"))?;
+        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+            return Err(ConfigError::Malformed("REDIS_URL", "expected redis://host:port".into()));
+        }
+        Ok(url)
+    }
+
+    /// Checks everything that can be checked without connecting.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.database.url()?;
+        self.redis_url()?;
+        let prefix_ok = !self.redis_prefix.is_empty()
+            && self.redis_prefix.len() <= 64
+            && self.redis_prefix.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !prefix_ok {
+            return Err(ConfigError::Malformed(
+                "PRISM_REDIS_PREFIX",
+                "use 1-64 characters of [A-Za-z0-9._-]".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Renders a URL for logs and errors without its password.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let creds = &url[scheme_end + 3..at];
+            let user = creds.split(':').next().unwrap_or_default();
+            format!("{}://{}:***@{}", &url[..scheme_end], user, &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(args: &[&str]) -> Result<RunArgs, clap::Error> {
+        let mut argv = vec!["prism-operator", "run"];
+        argv.extend_from_slice(args);
+        match Cli::try_parse_from(argv)?.command {
+            Command::Run(r) => Ok(*r),
+            _ => unreachable!("parsed the run subcommand"),
+        }
+    }
+
+    #[test]
+    fn defaults_follow_the_spec() {
+        let a = run_args(&["--database-url", "postgres://a@b/c", "--redis-url", "redis://x"]).unwrap();
+        assert_eq!(a.redis_prefix, "prism");
+        assert_eq!(a.listen.to_string(), "0.0.0.0:8080");
+        assert_eq!(a.peer_stale_minutes, 10);
+        assert_eq!(a.sweep_interval_seconds, 60);
+        assert_eq!(a.run_lease_seconds, 30);
+        assert!(a.leader_election);
+        assert!(a.watch_namespace.is_none());
+        assert_eq!(a.validate(), Ok(()));
+    }
+
+    #[test]
+    fn missing_and_malformed_urls_are_named() {
+        let a = run_args(&["--redis-url", "redis://x"]).unwrap();
+        assert_eq!(a.validate().unwrap_err().to_string(), "DATABASE_URL is not set (flag --database-url)");
+        let a = run_args(&["--database-url", "mysql://x", "--redis-url", "redis://x"]).unwrap();
+        assert!(a.validate().unwrap_err().to_string().starts_with("DATABASE_URL is malformed"));
+        let a = run_args(&["--database-url", "postgres://x/y"]).unwrap();
+        assert_eq!(a.validate().unwrap_err(), ConfigError::Missing("REDIS_URL", "redis-url"));
+    }
+
+    #[test]
+    fn out_of_range_numbers_are_rejected_by_the_parser() {
+        assert!(run_args(&["--run-lease-seconds", "1"]).is_err());
+        assert!(run_args(&["--peer-stale-minutes", "0"]).is_err());
+        assert!(run_args(&["--listen", "nonsense"]).is_err());
+        assert!(run_args(&["--leader-election", "maybe"]).is_err());
+        assert!(!run_args(&["--leader-election", "off"]).unwrap().leader_election);
+    }
+
+    #[test]
+    fn redaction_hides_the_password_only() {
+        assert_eq!(redact_url("postgres://prism:s3cret@db:5432/prism"), "postgres://prism:***@db:5432/prism");
+        assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+    }
+}

@@ -1,0 +1,304 @@
+//! Custom resource types (SPEC §3). Types only: no I/O, no behaviour beyond naming.
+//!
+//! The CRDs in `crds/` are generated from these types by `prism-operator crdgen`; a test
+//! fails when the two differ, so edit the types, never the YAML.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of every prism resource.
+pub const GROUP: &str = "prism.ntecdev.ai";
+/// Label carrying `spec.projectId` on each ControllerRegistration, for label selectors.
+pub const PROJECT_LABEL: &str = "prism.ntecdev.ai/project";
+
+// ---------------------------------------------------------------------------------------
+// ControllerRegistration
+// ---------------------------------------------------------------------------------------
+
+/// An AI agent session registered for a project. The election decides which one is the
+/// project's master; `status` is the answer.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "prism.ntecdev.ai",
+    version = "v1alpha1",
+    kind = "ControllerRegistration",
+    namespaced,
+    status = "ControllerRegistrationStatus",
+    shortname = "creg",
+    category = "prism",
+    selectable = ".spec.projectId",
+    doc = "An AI agent session registered for a project; a Postgres-backed election keeps exactly one master per project.",
+    printcolumn(name = "Project", type_ = "string", json_path = ".spec.projectId"),
+    printcolumn(name = "Surface", type_ = "string", json_path = ".spec.agentSurface"),
+    printcolumn(name = "Role", type_ = "string", json_path = ".status.role"),
+    printcolumn(name = "Term", type_ = "integer", json_path = ".status.term"),
+    printcolumn(name = "Heartbeat", type_ = "date", json_path = ".status.lastHeartbeat"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+// Changing project is a context switch, which is a new registration: spec never changes.
+#[x_kube(validation = Rule::new("self == oldSelf").message(
+    "spec is immutable: to change project create a new ControllerRegistration (that is the context switch)"
+))]
+#[serde(rename_all = "camelCase")]
+pub struct ControllerRegistrationSpec {
+    /// The project this session registers for.
+    #[schemars(length(min = 1, max = 128))]
+    pub project_id: String,
+    /// The agent session (SPEC-023 session_id).
+    #[schemars(length(min = 1, max = 256))]
+    pub session_id: String,
+    /// Which agent surface the session runs in; desktop sessions preempt the others.
+    pub agent_surface: AgentSurface,
+}
+
+/// The agent surfaces a registration can come from (also a Postgres CHECK constraint).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentSurface {
+    ClaudeDesktop,
+    ClaudeCode,
+    Codex,
+    Cursor,
+    Other,
+}
+
+impl AgentSurface {
+    pub const ALL: [AgentSurface; 5] = [
+        AgentSurface::ClaudeDesktop,
+        AgentSurface::ClaudeCode,
+        AgentSurface::Codex,
+        AgentSurface::Cursor,
+        AgentSurface::Other,
+    ];
+
+    /// The wire and database spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentSurface::ClaudeDesktop => "claude_desktop",
+            AgentSurface::ClaudeCode => "claude_code",
+            AgentSurface::Codex => "codex",
+            AgentSurface::Cursor => "cursor",
+            AgentSurface::Other => "other",
+        }
+    }
+
+    pub fn is_desktop(self) -> bool {
+        self == AgentSurface::ClaudeDesktop
+    }
+}
+
+impl std::str::FromStr for AgentSurface {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        AgentSurface::ALL
+            .into_iter()
+            .find(|a| a.as_str() == s)
+            .ok_or_else(|| format!("unknown agent surface {s:?}"))
+    }
+}
+
+impl std::fmt::Display for AgentSurface {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Role {
+    #[default]
+    Pending,
+    Master,
+    Peer,
+    Released,
+}
+
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ReleaseReason {
+    Wrapped,
+    ContextSwitch,
+    StaleHeartbeatIncident,
+}
+
+/// Who a registration is: used for `status.master` and `status.preemptedBy`.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RegistrationRef {
+    pub name: String,
+    pub session_id: String,
+    pub agent_surface: AgentSurface,
+}
+
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ControllerRegistrationStatus {
+    #[serde(default)]
+    pub role: Role,
+    #[serde(default)]
+    pub is_master: bool,
+    /// Project election epoch when this registration became master (a fencing token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub term: Option<i64>,
+    /// The project's current master.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master: Option<RegistrationRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registered_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_heartbeat: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_reason: Option<ReleaseReason>,
+    /// "you_were_preempted": set on a master demoted by a desktop registration.
+    #[serde(default)]
+    pub preempted: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preempted_by: Option<RegistrationRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+// ---------------------------------------------------------------------------------------
+// RunSession
+// ---------------------------------------------------------------------------------------
+
+/// The durable identity of one machine-side Run (server instance + component kind) and
+/// its credential. The live session is a Redis lease; `status` is its safe projection.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "prism.ntecdev.ai",
+    version = "v1alpha1",
+    kind = "RunSession",
+    namespaced,
+    status = "RunSessionStatus",
+    shortname = "rsess",
+    category = "prism",
+    selectable = ".spec.serverInstanceId",
+    selectable = ".spec.componentKind",
+    doc = "The durable identity and credential of a machine-side Run; its live session is a Redis TTL lease.",
+    printcolumn(name = "Server", type_ = "string", json_path = ".spec.serverInstanceId"),
+    printcolumn(name = "Component", type_ = "string", json_path = ".spec.componentKind"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Version", type_ = "string", json_path = ".status.version"),
+    printcolumn(name = "Heartbeat", type_ = "date", json_path = ".status.lastHeartbeat"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RunSessionSpec {
+    /// The server instance this Run belongs to; with componentKind, unique in the cluster.
+    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("serverInstanceId is immutable"))]
+    pub server_instance_id: String,
+    /// The kind of component (lowercase DNS label), e.g. `run`.
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("componentKind is immutable"))]
+    pub component_kind: String,
+    pub credential: RunCredential,
+    /// Lease length in seconds; overrides PRISM_RUN_LEASE_SECONDS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 5, max = 3600))]
+    pub lease_seconds: Option<i32>,
+}
+
+/// The Run's public key. Raising `generation` revokes every older key at once.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+// A new key needs a new generation, and generations never go back: otherwise a revoked
+// key could be made valid again.
+#[x_kube(
+    validation = Rule::new("self.generation >= oldSelf.generation").message("credential.generation may not decrease"),
+    validation = Rule::new("self.publicKey == oldSelf.publicKey || self.generation > oldSelf.generation").message("a new publicKey needs a higher credential.generation")
+)]
+pub struct RunCredential {
+    /// Standard base64 (with padding) of the 32-byte Ed25519 public key.
+    #[schemars(regex(pattern = r"^[A-Za-z0-9+/]{43}=$"))]
+    pub public_key: String,
+    #[schemars(range(min = 1))]
+    pub generation: i64,
+}
+
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RunPhase {
+    /// Never connected.
+    #[default]
+    Pending,
+    Online,
+    Offline,
+    Unavailable,
+}
+
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum UnavailableReason {
+    RedisUnavailable,
+    LeaseExpired,
+    Superseded,
+    CredentialRotated,
+}
+
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+pub struct RunTarget {
+    pub os: String,
+    pub arch: String,
+}
+
+/// Safe projection of the Run's session: never a token, hash, key name, credential, host
+/// path or socket.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RunSessionStatus {
+    #[serde(default)]
+    pub phase: RunPhase,
+    #[serde(default)]
+    pub online: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_heartbeat: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_started_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<RunTarget>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
+    /// Name -> non-negative amount, e.g. `slots: 4`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("additionalProperties" = {"type": "integer", "format": "int64", "minimum": 0}))]
+    pub capacity: BTreeMap<String, i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable_reason: Option<UnavailableReason>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// Both CRDs as one multi-document YAML stream: what `crdgen` prints and `crds/` holds.
+pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
+    let mut out = String::new();
+    for crd in [ControllerRegistration::crd(), RunSession::crd()] {
+        out.push_str("---\n");
+        out.push_str(&serde_yaml::to_string(&crd)?);
+    }
+    Ok(out)
+}
+
+/// File names under `crds/`, one per CRD, paired with its YAML.
+pub fn crd_files() -> Result<Vec<(String, String)>, serde_yaml::Error> {
+    [ControllerRegistration::crd(), RunSession::crd()]
+        .into_iter()
+        .map(|crd| {
+            let name = crd.metadata.name.clone().unwrap_or_default();
+            Ok((format!("{name}.yaml"), serde_yaml::to_string(&crd)?))
+        })
+        .collect()
+}

@@ -1,0 +1,54 @@
+use std::process::ExitCode;
+
+use clap::Parser;
+use prism_operator::config::{Cli, Command};
+use prism_operator::{crd, db, server, telemetry};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
+                | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand)
+            {
+                e.exit();
+            }
+            // One line: the first line of clap's message names the bad setting.
+            let msg = e.to_string();
+            eprintln!("{}", msg.lines().next().unwrap_or("error: invalid arguments"));
+            return ExitCode::from(2);
+        }
+    };
+    telemetry::init(cli.log.log_format);
+    match run(cli.command).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Crdgen { out_dir: None } => {
+            print!("{}", crd::crds_yaml()?);
+        }
+        Command::Crdgen { out_dir: Some(dir) } => {
+            std::fs::create_dir_all(&dir)?;
+            for (file, yaml) in crd::crd_files()? {
+                std::fs::write(dir.join(&file), yaml)?;
+                println!("wrote {}", dir.join(file).display());
+            }
+        }
+        Command::Migrate(args) => {
+            let pool = db::connect(args.url()?).await?;
+            db::migrate(&pool).await?;
+            println!("migrations applied");
+        }
+        Command::Run(args) => server::run(*args).await?,
+    }
+    Ok(())
+}

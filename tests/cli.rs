@@ -1,0 +1,152 @@
+//! The binary as a user runs it: subcommands, one-line configuration errors, and `run`
+//! answering /healthz and /readyz against real Postgres, Redis and kube-apiserver.
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::{TestDb, control_plane};
+
+fn bin() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_prism-operator"));
+    // Only what each test sets: no DATABASE_URL etc. leaking in from the test environment.
+    for var in ["DATABASE_URL", "REDIS_URL", "KUBECONFIG", "PRISM_LISTEN", "PRISM_REDIS_PREFIX"] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+#[test]
+fn crdgen_prints_both_crds() {
+    let out = bin().arg("crdgen").output().expect("crdgen runs");
+    assert!(out.status.success());
+    let yaml = String::from_utf8(out.stdout).expect("utf-8");
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&yaml)
+        .map(|d| serde::Deserialize::deserialize(d).expect("valid YAML document"))
+        .collect();
+    let names: Vec<&str> = docs.iter().filter_map(|d| d["metadata"]["name"].as_str()).collect();
+    assert_eq!(names, ["controllerregistrations.prism.ntecdev.ai", "runsessions.prism.ntecdev.ai"]);
+}
+
+fn one_line_error(args: &[&str], envs: &[(&str, &str)]) -> String {
+    let out = bin().args(args).envs(envs.iter().copied()).stdin(Stdio::null()).output().expect("runs");
+    assert!(!out.status.success(), "{args:?} should fail");
+    let stderr = String::from_utf8_lossy(&out.stderr).trim_end().to_string();
+    assert_eq!(stderr.lines().count(), 1, "exactly one line, got: {stderr:?}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+#[test]
+fn bad_configuration_is_a_one_line_error() {
+    let e = one_line_error(&["run"], &[("REDIS_URL", "redis://127.0.0.1:1")]);
+    assert_eq!(e, "error: DATABASE_URL is not set (flag --database-url)");
+    let e = one_line_error(&["run"], &[("DATABASE_URL", "postgres://u:pw@127.0.0.1:1/db")]);
+    assert_eq!(e, "error: REDIS_URL is not set (flag --redis-url)");
+    let e = one_line_error(&["run"], &[("PRISM_LISTEN", "everywhere")]);
+    assert!(e.contains("everywhere") && e.contains("--listen"), "{e}");
+    let e = one_line_error(&["run"], &[("PRISM_RUN_LEASE_SECONDS", "0")]);
+    assert!(e.contains("--run-lease-seconds"), "{e}");
+    let e = one_line_error(&["run"], &[("PRISM_LEADER_ELECTION", "perhaps")]);
+    assert!(e.contains("perhaps"), "{e}");
+    // A password in a bad URL never reaches the terminal.
+    let e = one_line_error(&["migrate"], &[("DATABASE_URL", "postgres://prism:hunter2@127.0.0.1:1/db")]);
+    assert!(e.contains("cannot connect to PostgreSQL") && !e.contains("hunter2"), "{e}");
+}
+
+#[tokio::test]
+async fn migrate_subcommand_is_idempotent() {
+    let db = TestDb::empty().await;
+    for _ in 0..2 {
+        let out = bin().arg("migrate").env("DATABASE_URL", &db.url).output().expect("migrate runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
+        .fetch_one(&db.pool)
+        .await
+        .expect("migrations table");
+    assert_eq!(applied as usize, prism_operator::db::MIGRATOR.iter().count());
+}
+
+struct Running(std::process::Child);
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn run_serves_health_and_readiness() {
+    let cp = control_plane();
+    let db = TestDb::empty().await;
+    let port = support::free_port();
+    let _run = Running(
+        bin()
+            .arg("run")
+            .env("DATABASE_URL", &db.url)
+            .env("REDIS_URL", support::redis_url())
+            .env("PRISM_REDIS_PREFIX", support::redis_prefix())
+            .env("KUBECONFIG", &cp.kubeconfig)
+            .env("PRISM_LISTEN", format!("127.0.0.1:{port}"))
+            .env("PRISM_LEADER_ELECTION", "false")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("run starts"),
+    );
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(r) = http.get(format!("{base}/healthz")).send().await {
+            assert_eq!(r.status(), 200);
+            break;
+        }
+        assert!(Instant::now() < deadline, "run did not answer /healthz within 30 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let r = http.get(format!("{base}/readyz")).send().await.expect("readyz");
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.expect("json");
+    assert_eq!(body["status"], "ready", "{body}");
+    for dep in ["postgres", "runtime_registry", "kubernetes"] {
+        assert_eq!(body["checks"][dep]["status"], "ok", "{dep}: {body}");
+    }
+    // `run` applied the migrations at start.
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&db.pool).await.expect("migrated");
+    assert!(applied >= 2);
+}
+
+#[tokio::test]
+async fn readyz_reports_an_unreachable_redis() {
+    let cp = control_plane();
+    let db = TestDb::empty().await;
+    let port = support::free_port();
+    // Nothing listens on the port: Redis is down from the start.
+    let dead_redis = format!("redis://127.0.0.1:{}", support::free_port());
+    let _run = Running(
+        bin()
+            .arg("run")
+            .env("DATABASE_URL", &db.url)
+            .env("REDIS_URL", dead_redis)
+            .env("KUBECONFIG", &cp.kubeconfig)
+            .env("PRISM_LISTEN", format!("127.0.0.1:{port}"))
+            .env("PRISM_LEADER_ELECTION", "false")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("run starts"),
+    );
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let body: serde_json::Value = loop {
+        if let Ok(r) = http.get(format!("http://127.0.0.1:{port}/readyz")).send().await {
+            break r.json().await.expect("json");
+        }
+        assert!(Instant::now() < deadline, "run did not answer within 30 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(body["checks"]["runtime_registry"]["status"], "unavailable", "{body}");
+    assert_eq!(body["checks"]["postgres"]["status"], "ok", "{body}");
+    assert_eq!(body["status"], "degraded", "{body}");
+}

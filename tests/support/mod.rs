@@ -1,0 +1,211 @@
+//! Test platform: a real kube-apiserver + etcd (one per test binary, shared by its tests,
+//! which isolate themselves by namespace), a Postgres database per test and a Redis key
+//! prefix per test. Nothing here skips: a missing service fails the test that needs it.
+//!
+//! The control plane is started by `scripts/control-plane` (a harness of our own rather
+//! than the `envtest` crate: that crate drives controller-runtime's Go envtest through a
+//! Go bridge and configures the API server without RBAC and ServiceAccount token issuing,
+//! which the operator's TokenReview/SubjectAccessReview paths need).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use k8s_openapi::api::core::v1::Namespace;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+pub fn repo_root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// KUBEBUILDER_ASSETS, the envtest convention: the directory with kube-apiserver, etcd
+/// and kubectl (scripts/envtest-assets prints it).
+pub fn assets_dir() -> PathBuf {
+    match std::env::var_os("KUBEBUILDER_ASSETS") {
+        Some(dir) => PathBuf::from(dir),
+        None => panic!("KUBEBUILDER_ASSETS is not set: run tests through scripts/test, or export KUBEBUILDER_ASSETS=$(scripts/envtest-assets)"),
+    }
+}
+
+pub struct ControlPlane {
+    pub kubeconfig: PathBuf,
+    // Holding the pipe keeps the control plane alive; when this process ends, however it
+    // ends, the pipe closes and scripts/control-plane stops etcd and kube-apiserver.
+    _stdin: Mutex<ChildStdin>,
+    _child: Mutex<Child>,
+}
+
+static CONTROL_PLANE: OnceLock<ControlPlane> = OnceLock::new();
+
+/// The test binary's control plane, started on first use, with both CRDs installed.
+pub fn control_plane() -> &'static ControlPlane {
+    CONTROL_PLANE.get_or_init(start_control_plane)
+}
+
+fn start_control_plane() -> ControlPlane {
+    let assets = assets_dir();
+    let dir = std::env::temp_dir().join(format!("prism-cp-{}-{}", std::process::id(), uuid::Uuid::new_v4().simple()));
+    let mut child = Command::new(repo_root().join("scripts/control-plane"))
+        .arg("run")
+        .arg(&dir)
+        .arg("--stop-on-eof")
+        .env("KUBEBUILDER_ASSETS", &assets)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn scripts/control-plane");
+    let stdin = child.stdin.take().expect("control plane stdin");
+    let stdout = child.stdout.take().expect("control plane stdout");
+    let mut kubeconfig = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.expect("read control plane output");
+        if let Some(path) = line.strip_prefix("KUBECONFIG=") {
+            kubeconfig = Some(PathBuf::from(path));
+            break;
+        }
+    }
+    let kubeconfig = kubeconfig.unwrap_or_else(|| panic!("control plane did not start; logs in {}", dir.display()));
+    let cp = ControlPlane { kubeconfig, _stdin: Mutex::new(stdin), _child: Mutex::new(child) };
+    cp.kubectl_ok(&["apply", "--server-side", "-f", repo_root().join("crds").to_str().expect("utf-8 path")]);
+    cp.kubectl_ok(&["wait", "--for=condition=Established", "--timeout=60s", "crd/controllerregistrations.prism.ntecdev.ai", "crd/runsessions.prism.ntecdev.ai"]);
+    cp
+}
+
+pub struct Output {
+    pub ok: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl ControlPlane {
+    /// Runs the kubectl built with the API server (same version) against this control plane.
+    pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        use std::io::Write;
+        let mut child = Command::new(assets_dir().join("kubectl"))
+            .args(args)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kubectl");
+        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
+        }
+        let out = child.wait_with_output().expect("kubectl output");
+        Output {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    pub fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args, None);
+        assert!(out.ok, "kubectl {args:?} failed: {}", out.stderr);
+        out.stdout
+    }
+
+    /// A client for the calling test's own runtime (a client's connections belong to the
+    /// runtime that made them, and every #[tokio::test] has its own).
+    pub async fn client(&self) -> Client {
+        let kc = Kubeconfig::read_from(&self.kubeconfig).expect("read kubeconfig");
+        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.expect("kubeconfig");
+        Client::try_from(config).expect("kube client")
+    }
+}
+
+/// A fresh namespace for one test.
+pub async fn namespace(client: &Client, hint: &str) -> String {
+    let name = format!("t-{hint}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).expect("namespace");
+    Api::<Namespace>::all(client.clone()).create(&Default::default(), &ns).await.expect("create namespace");
+    name
+}
+
+/// The Postgres server's URL for the `prism` role (scripts/services prints it).
+pub fn admin_database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| {
+        panic!("DATABASE_URL is not set: run tests through scripts/test, or eval \"$(scripts/services)\"")
+    })
+}
+
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL")
+        .unwrap_or_else(|_| panic!("REDIS_URL is not set: run tests through scripts/test, or eval \"$(scripts/services)\""))
+}
+
+/// A database of the test's own, migrated; dropped when the value is dropped.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub pool: PgPool,
+}
+
+fn with_database(url: &str, db: &str) -> String {
+    match url.rfind('/') {
+        Some(i) if i > "postgres://".len() => format!("{}/{db}", &url[..i]),
+        _ => panic!("DATABASE_URL has no database part: {url}"),
+    }
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        Self::create(true).await
+    }
+
+    /// An empty database, without migrations.
+    pub async fn empty() -> TestDb {
+        Self::create(false).await
+    }
+
+    async fn create(migrate: bool) -> TestDb {
+        let admin = admin_database_url();
+        let name = format!("prism_test_{}", uuid::Uuid::new_v4().simple());
+        let admin_pool = PgPoolOptions::new().max_connections(1).connect(&admin).await.expect("connect to Postgres");
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin_pool).await.expect("create test database");
+        admin_pool.close().await;
+        let url = with_database(&admin, &name);
+        let pool = PgPoolOptions::new().max_connections(8).connect(&url).await.expect("connect to test database");
+        if migrate {
+            prism_operator::db::migrate(&pool).await.expect("migrations apply");
+        }
+        TestDb { name, url, pool }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        // Async work cannot run in Drop; a short-lived thread with its own runtime can.
+        let name = self.name.clone();
+        let admin = admin_database_url();
+        let pool = self.pool.clone();
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                pool.close().await;
+                if let Ok(admin_pool) = PgPoolOptions::new().max_connections(1).connect(&admin).await {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&admin_pool).await;
+                    admin_pool.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A Redis key prefix of the test's own.
+pub fn redis_prefix() -> String {
+    format!("prism-test-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
