@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
+use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::get;
-use axum::Router;
 use serde_json::json;
 use sqlx::PgPool;
 use tower_http::limit::RequestBodyLimitLayer;
@@ -41,9 +41,18 @@ async fn healthz() -> &'static str {
 /// in the Service and Runs get a precise 503 `runtime_registry_unavailable` rather than
 /// a connection error.
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
-    let postgres = sqlx::query("SELECT 1").execute(&state.db).await.map(|_| ()).map_err(|e| e.to_string());
+    let postgres = sqlx::query("SELECT 1")
+        .execute(&state.db)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string());
     let redis = state.redis.ping().await.map_err(|e| e.to_string());
-    let kubernetes = state.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string());
+    let kubernetes = state
+        .kube
+        .apiserver_version()
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string());
     let check = |r: &Result<(), String>| match r {
         Ok(()) => json!({"status": "ok"}),
         Err(e) => json!({"status": "unavailable", "message": e}),
@@ -62,6 +71,10 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
             "kubernetes": check(&kubernetes),
         }
     });
-    let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let code = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     (code, Json(body)).into_response()
 }

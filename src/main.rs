@@ -10,18 +10,27 @@ async fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             use clap::error::ErrorKind;
-            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
-                | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand)
-            {
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
                 e.exit();
             }
             // One line: the first line of clap's message names the bad setting.
             let msg = e.to_string();
-            eprintln!("{}", msg.lines().next().unwrap_or("error: invalid arguments"));
+            eprintln!(
+                "{}",
+                msg.lines().next().unwrap_or("error: invalid arguments")
+            );
             return ExitCode::from(2);
         }
     };
     telemetry::init(cli.log.log_format);
+    // One TLS provider for every client (kube, sqlx), whatever features a dependency
+    // turns on; two compiled-in providers would otherwise make rustls refuse to choose.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     match run(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

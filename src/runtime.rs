@@ -30,7 +30,10 @@ impl RedisStore {
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(500));
         let conn = ConnectionManager::new_lazy_with_config(client, config)?;
-        Ok(Self { conn, prefix: prefix.to_string() })
+        Ok(Self {
+            conn,
+            prefix: prefix.to_string(),
+        })
     }
 
     pub fn prefix(&self) -> &str {

@@ -26,11 +26,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         warn!(redis = %redact_url(redis_url), error = %e, "Redis is unreachable; the runtime registry is unavailable until it returns");
     }
 
-    let kube = kube::Client::try_default()
-        .await
-        .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")?;
+    let kube = kube::Client::try_default().await.context(
+        "cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)",
+    )?;
 
-    let state = Arc::new(AppState { db: pool, redis, kube });
+    let state = Arc::new(AppState {
+        db: pool,
+        redis,
+        kube,
+    });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {} (PRISM_LISTEN)", args.listen))?;
@@ -57,7 +61,9 @@ async fn connect_with_retry(url: &str) -> anyhow::Result<sqlx::PgPool> {
             }
         }
     }
-    Err(last.map(anyhow::Error::from).unwrap_or_else(|| anyhow::anyhow!("PostgreSQL not reachable")))
+    Err(last
+        .map(anyhow::Error::from)
+        .unwrap_or_else(|| anyhow::anyhow!("PostgreSQL not reachable")))
 }
 
 async fn shutdown_signal() {

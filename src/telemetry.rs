@@ -9,7 +9,9 @@ pub fn init(format: LogFormat) {
     let registry = tracing_subscriber::registry().with(filter);
     // A second init (tests) is harmless: keep the first subscriber.
     let _ = match format {
-        LogFormat::Json => registry.with(fmt::layer().json().with_current_span(false)).try_init(),
+        LogFormat::Json => registry
+            .with(fmt::layer().json().with_current_span(false))
+            .try_init(),
         LogFormat::Text => registry.with(fmt::layer().with_target(true)).try_init(),
     };
 }

@@ -13,11 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 
+use k8s_openapi::api::core::v1::Namespace;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
-use k8s_openapi::api::core::v1::Namespace;
-use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgPool};
 
 pub fn repo_root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -28,7 +28,9 @@ pub fn repo_root() -> &'static Path {
 pub fn assets_dir() -> PathBuf {
     match std::env::var_os("KUBEBUILDER_ASSETS") {
         Some(dir) => PathBuf::from(dir),
-        None => panic!("KUBEBUILDER_ASSETS is not set: run tests through scripts/test, or export KUBEBUILDER_ASSETS=$(scripts/envtest-assets)"),
+        None => panic!(
+            "KUBEBUILDER_ASSETS is not set: run tests through scripts/test, or export KUBEBUILDER_ASSETS=$(scripts/envtest-assets)"
+        ),
     }
 }
 
@@ -49,7 +51,11 @@ pub fn control_plane() -> &'static ControlPlane {
 
 fn start_control_plane() -> ControlPlane {
     let assets = assets_dir();
-    let dir = std::env::temp_dir().join(format!("prism-cp-{}-{}", std::process::id(), uuid::Uuid::new_v4().simple()));
+    let dir = std::env::temp_dir().join(format!(
+        "prism-cp-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ));
     let mut child = Command::new(repo_root().join("scripts/control-plane"))
         .arg("run")
         .arg(&dir)
@@ -70,10 +76,26 @@ fn start_control_plane() -> ControlPlane {
             break;
         }
     }
-    let kubeconfig = kubeconfig.unwrap_or_else(|| panic!("control plane did not start; logs in {}", dir.display()));
-    let cp = ControlPlane { kubeconfig, _stdin: Mutex::new(stdin), _child: Mutex::new(child) };
-    cp.kubectl_ok(&["apply", "--server-side", "-f", repo_root().join("crds").to_str().expect("utf-8 path")]);
-    cp.kubectl_ok(&["wait", "--for=condition=Established", "--timeout=60s", "crd/controllerregistrations.prism.ntecdev.ai", "crd/runsessions.prism.ntecdev.ai"]);
+    let kubeconfig = kubeconfig
+        .unwrap_or_else(|| panic!("control plane did not start; logs in {}", dir.display()));
+    let cp = ControlPlane {
+        kubeconfig,
+        _stdin: Mutex::new(stdin),
+        _child: Mutex::new(child),
+    };
+    cp.kubectl_ok(&[
+        "apply",
+        "--server-side",
+        "-f",
+        repo_root().join("crds").to_str().expect("utf-8 path"),
+    ]);
+    cp.kubectl_ok(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/controllerregistrations.prism.ntecdev.ai",
+        "crd/runsessions.prism.ntecdev.ai",
+    ]);
     cp
 }
 
@@ -90,13 +112,18 @@ impl ControlPlane {
         let mut child = Command::new(assets_dir().join("kubectl"))
             .args(args)
             .env("KUBECONFIG", &self.kubeconfig)
-            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdin(if stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn kubectl");
         if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
+            pipe.write_all(input.as_bytes())
+                .expect("write kubectl stdin");
         }
         let out = child.wait_with_output().expect("kubectl output");
         Output {
@@ -116,16 +143,25 @@ impl ControlPlane {
     /// runtime that made them, and every #[tokio::test] has its own).
     pub async fn client(&self) -> Client {
         let kc = Kubeconfig::read_from(&self.kubeconfig).expect("read kubeconfig");
-        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.expect("kubeconfig");
+        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .expect("kubeconfig");
         Client::try_from(config).expect("kube client")
     }
 }
 
 /// A fresh namespace for one test.
 pub async fn namespace(client: &Client, hint: &str) -> String {
-    let name = format!("t-{hint}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-    let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).expect("namespace");
-    Api::<Namespace>::all(client.clone()).create(&Default::default(), &ns).await.expect("create namespace");
+    let name = format!(
+        "t-{hint}-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let ns: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).expect("namespace");
+    Api::<Namespace>::all(client.clone())
+        .create(&Default::default(), &ns)
+        .await
+        .expect("create namespace");
     name
 }
 
@@ -137,8 +173,11 @@ pub fn admin_database_url() -> String {
 }
 
 pub fn redis_url() -> String {
-    std::env::var("REDIS_URL")
-        .unwrap_or_else(|_| panic!("REDIS_URL is not set: run tests through scripts/test, or eval \"$(scripts/services)\""))
+    std::env::var("REDIS_URL").unwrap_or_else(|_| {
+        panic!(
+            "REDIS_URL is not set: run tests through scripts/test, or eval \"$(scripts/services)\""
+        )
+    })
 }
 
 /// A database of the test's own, migrated; dropped when the value is dropped.
@@ -168,13 +207,27 @@ impl TestDb {
     async fn create(migrate: bool) -> TestDb {
         let admin = admin_database_url();
         let name = format!("prism_test_{}", uuid::Uuid::new_v4().simple());
-        let admin_pool = PgPoolOptions::new().max_connections(1).connect(&admin).await.expect("connect to Postgres");
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin_pool).await.expect("create test database");
+        let admin_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&admin)
+            .await
+            .expect("connect to Postgres");
+        // The name is ours (a uuid), not input.
+        sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&admin_pool)
+            .await
+            .expect("create test database");
         admin_pool.close().await;
         let url = with_database(&admin, &name);
-        let pool = PgPoolOptions::new().max_connections(8).connect(&url).await.expect("connect to test database");
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect(&url)
+            .await
+            .expect("connect to test database");
         if migrate {
-            prism_operator::db::migrate(&pool).await.expect("migrations apply");
+            prism_operator::db::migrate(&pool)
+                .await
+                .expect("migrations apply");
         }
         TestDb { name, url, pool }
     }
@@ -183,15 +236,28 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         // Async work cannot run in Drop; a short-lived thread with its own runtime can.
+        // The pool is not closed there: its connections belong to the test's runtime,
+        // which is blocked on this join. FORCE ends them on the server side instead.
         let name = self.name.clone();
         let admin = admin_database_url();
-        let pool = self.pool.clone();
         let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
             rt.block_on(async move {
-                pool.close().await;
-                if let Ok(admin_pool) = PgPoolOptions::new().max_connections(1).connect(&admin).await {
-                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&admin_pool).await;
+                if let Ok(admin_pool) = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&admin)
+                    .await
+                {
+                    let _ = sqlx::query(AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&admin_pool)
+                    .await;
                     admin_pool.close().await;
                 }
             });
@@ -207,5 +273,9 @@ pub fn redis_prefix() -> String {
 
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
