@@ -3,8 +3,10 @@
 
 pub mod api;
 pub mod config;
+pub mod controller;
 pub mod crd;
 pub mod db;
+pub mod election;
 pub mod runtime;
 pub mod server;
 pub mod telemetry;

@@ -1,0 +1,642 @@
+//! ControllerRegistration reconciler: glue between the resource and the election store.
+//! read (resource) → register/release (store) → build status (pure) → apply status →
+//! Events on role changes. Registrations whose role or master changed because of another
+//! resource's event are fed back in through `Triggers`, so every status of a project
+//! follows a commit within a second instead of waiting for a resync.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event as KubeEvent, EventType};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::{Api, Resource, ResourceExt};
+use serde_json::json;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use super::{Context, ControllerError, FIELD_MANAGER, to_time};
+use crate::crd::{
+    ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, RegistrationRef,
+    ReleaseReason, Role,
+};
+use crate::election::NewRegistration;
+use crate::election::store::{ProjectView, RegisterOutcome, Registration};
+
+pub const FINALIZER: &str = "prism.ntecdev.ai/release";
+/// `status.lastHeartbeat` is refreshed at most this often: never a status write per beat.
+pub const HEARTBEAT_STATUS_RESOLUTION: Duration = Duration::from_secs(30);
+
+pub async fn reconcile(
+    obj: Arc<ControllerRegistration>,
+    ctx: Arc<Context>,
+) -> Result<Action, ControllerError> {
+    let ns = obj
+        .namespace()
+        .ok_or(ControllerError::MissingField("metadata.namespace"))?;
+    let api: Api<ControllerRegistration> = Api::namespaced(ctx.client.clone(), &ns);
+    let started = std::time::Instant::now();
+    let result = finalizer(&api, FINALIZER, obj, |event| async {
+        match event {
+            Finalizer::Apply(obj) => apply(&obj, &api, &ctx).await,
+            Finalizer::Cleanup(obj) => cleanup(&obj, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| ControllerError::Finalizer(Box::new(e)));
+    ctx.metrics
+        .reconciled("controllerregistration", started.elapsed(), result.is_err());
+    result
+}
+
+fn uid(obj: &ControllerRegistration) -> Result<Uuid, ControllerError> {
+    let uid = obj
+        .uid()
+        .ok_or(ControllerError::MissingField("metadata.uid"))?;
+    Uuid::parse_str(&uid).map_err(|_| ControllerError::MissingField("metadata.uid"))
+}
+
+async fn apply(
+    obj: &ControllerRegistration,
+    api: &Api<ControllerRegistration>,
+    ctx: &Context,
+) -> Result<Action, ControllerError> {
+    let id = uid(obj)?;
+    let ns = obj.namespace().unwrap_or_default();
+    let new = NewRegistration {
+        id,
+        namespace: ns.clone(),
+        name: obj.name_any(),
+        project_id: obj.spec.project_id.clone(),
+        session_id: obj.spec.session_id.clone(),
+        surface: obj.spec.agent_surface,
+    };
+    let (outcome, touched) = ctx.election.register(&new).await?;
+    ctx.triggers.registrations(
+        touched
+            .into_iter()
+            .filter(|t| t.name != new.name || t.namespace != ns),
+    );
+
+    ensure_project_label(obj, api).await;
+
+    let now = Utc::now();
+    let previous = obj.status.clone().unwrap_or_default();
+    let next = match &outcome {
+        RegisterOutcome::Registered(row) => {
+            let view = ctx
+                .election
+                .project(&row.namespace, &row.project_id)
+                .await?;
+            let preempted_by = match row.preempted_by {
+                Some(by) => ctx.election.get(by).await?,
+                None => None,
+            };
+            build_status(
+                row,
+                &view,
+                preempted_by.as_ref(),
+                obj.metadata.generation,
+                &previous,
+                ctx.stale_after,
+                now,
+            )
+        }
+        RegisterOutcome::DuplicateSession { existing } => {
+            duplicate_status(existing, obj.metadata.generation, &previous, now)
+        }
+    };
+    if status_needs_write(&previous, &next) {
+        let patch = json!({
+            "apiVersion": "prism.ntecdev.ai/v1alpha1",
+            "kind": "ControllerRegistration",
+            "status": next,
+        });
+        api.patch_status(
+            &obj.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?;
+    }
+    if let Some((type_, reason, note)) = role_event(&previous, &next) {
+        publish(ctx, obj, type_, reason, note).await;
+    }
+
+    Ok(match next.role {
+        // Live registrations come back to refresh lastHeartbeat and the Stale condition.
+        Role::Master | Role::Peer => Action::requeue(HEARTBEAT_STATUS_RESOLUTION),
+        Role::Pending => Action::requeue(Duration::from_secs(60)),
+        Role::Released => Action::await_change(),
+    })
+}
+
+/// Deleting the resource is the wrap: release (promoting a successor) before it goes.
+async fn cleanup(obj: &ControllerRegistration, ctx: &Context) -> Result<Action, ControllerError> {
+    let id = uid(obj)?;
+    let touched = ctx.election.release(id, ReleaseReason::Wrapped).await?;
+    let was_live = !touched.is_empty();
+    ctx.triggers
+        .registrations(touched.into_iter().filter(|t| t.name != obj.name_any()));
+    if was_live {
+        info!(namespace = ?obj.namespace(), name = %obj.name_any(), "registration wrapped");
+        publish(
+            ctx,
+            obj,
+            EventType::Normal,
+            "Released",
+            "released: wrapped (resource deleted)".into(),
+        )
+        .await;
+    }
+    Ok(Action::await_change())
+}
+
+/// Keeps the `prism.ntecdev.ai/project` label equal to spec.projectId, for label
+/// selectors. A project id that is not a valid label value (over 63 characters, or other
+/// characters) is not copied; spec.projectId stays selectable as a field.
+async fn ensure_project_label(obj: &ControllerRegistration, api: &Api<ControllerRegistration>) {
+    let want = obj.spec.project_id.as_str();
+    if obj.labels().get(PROJECT_LABEL).map(String::as_str) == Some(want) || !is_label_value(want) {
+        return;
+    }
+    let patch = json!({"metadata": {"labels": {PROJECT_LABEL: want}}});
+    if let Err(e) = api
+        .patch(
+            &obj.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        warn!(name = %obj.name_any(), error = %e, "could not set the project label");
+    }
+}
+
+pub fn is_label_value(v: &str) -> bool {
+    let b = v.as_bytes();
+    b.len() <= 63
+        && (b.is_empty()
+            || (b[0].is_ascii_alphanumeric()
+                && b[b.len() - 1].is_ascii_alphanumeric()
+                && b.iter()
+                    .all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))))
+}
+
+fn reference(row: &Registration) -> RegistrationRef {
+    RegistrationRef {
+        name: row.name.clone(),
+        session_id: row.session_id.clone(),
+        agent_surface: row.surface(),
+    }
+}
+
+/// The status of a registration, from its row and its project's view. Pure.
+pub fn build_status(
+    row: &Registration,
+    view: &ProjectView,
+    preempted_by: Option<&Registration>,
+    generation: Option<i64>,
+    previous: &ControllerRegistrationStatus,
+    stale_after: chrono::Duration,
+    now: DateTime<Utc>,
+) -> ControllerRegistrationStatus {
+    let role = if !row.is_live() {
+        Role::Released
+    } else if row.is_master {
+        Role::Master
+    } else {
+        Role::Peer
+    };
+    let reason = row.reason();
+    let heartbeat_age = now - row.last_heartbeat;
+    let stale = reason == Some(ReleaseReason::StaleHeartbeatIncident)
+        || (row.is_live() && heartbeat_age > stale_after);
+    let (ready, ready_reason, ready_msg) = match (role, reason) {
+        (Role::Released, Some(r)) => (
+            false,
+            released_reason(r),
+            format!(
+                "released: {}",
+                crate::election::store::release_reason_str(r)
+            ),
+        ),
+        (Role::Released, None) => (false, "Released", "released".to_string()),
+        _ => (
+            true,
+            "Registered",
+            format!("registered on project {}", row.project_id),
+        ),
+    };
+    let (master_reason, master_msg) = match role {
+        Role::Master => (
+            "Elected",
+            format!(
+                "master of project {} in term {}",
+                row.project_id,
+                row.master_term.unwrap_or_default()
+            ),
+        ),
+        Role::Peer if row.preempted => (
+            "Preempted",
+            "preempted by a desktop registration".to_string(),
+        ),
+        Role::Peer => (
+            "Peer",
+            match &view.master {
+                Some(m) => format!("peer; master is {}", m.name),
+                None => "peer".to_string(),
+            },
+        ),
+        _ => ("Released", "not in the election".to_string()),
+    };
+    let (stale_reason, stale_msg) = if stale {
+        (
+            "HeartbeatStale",
+            format!("no heartbeat for {}s", heartbeat_age.num_seconds().max(0)),
+        )
+    } else {
+        (
+            "HeartbeatFresh",
+            "heartbeat within the stale threshold".to_string(),
+        )
+    };
+    let conditions = vec![
+        condition(
+            previous,
+            "Ready",
+            ready,
+            ready_reason,
+            &ready_msg,
+            generation,
+            now,
+        ),
+        condition(
+            previous,
+            "Master",
+            role == Role::Master,
+            master_reason,
+            &master_msg,
+            generation,
+            now,
+        ),
+        condition(
+            previous,
+            "Stale",
+            stale,
+            stale_reason,
+            &stale_msg,
+            generation,
+            now,
+        ),
+    ];
+    ControllerRegistrationStatus {
+        role,
+        is_master: role == Role::Master,
+        term: row.master_term,
+        master: view.master.as_ref().map(reference),
+        registered_at: Some(to_time(row.registered_at)),
+        last_heartbeat: Some(to_time(row.last_heartbeat)),
+        released_at: row.released_at.map(to_time),
+        release_reason: reason,
+        preempted: row.preempted,
+        preempted_by: preempted_by.map(reference),
+        observed_generation: generation,
+        conditions,
+    }
+}
+
+fn duplicate_status(
+    existing: &Registration,
+    generation: Option<i64>,
+    previous: &ControllerRegistrationStatus,
+    now: DateTime<Utc>,
+) -> ControllerRegistrationStatus {
+    let msg = format!(
+        "session {} is already registered on project {} by {}; this registration is not used",
+        existing.session_id, existing.project_id, existing.name
+    );
+    ControllerRegistrationStatus {
+        role: Role::Pending,
+        observed_generation: generation,
+        conditions: vec![
+            condition(
+                previous,
+                "Ready",
+                false,
+                "DuplicateSession",
+                &msg,
+                generation,
+                now,
+            ),
+            condition(
+                previous,
+                "Master",
+                false,
+                "DuplicateSession",
+                "not in the election",
+                generation,
+                now,
+            ),
+        ],
+        ..Default::default()
+    }
+}
+
+fn released_reason(r: ReleaseReason) -> &'static str {
+    match r {
+        ReleaseReason::Wrapped => "Wrapped",
+        ReleaseReason::ContextSwitch => "ContextSwitch",
+        ReleaseReason::StaleHeartbeatIncident => "StaleHeartbeatIncident",
+    }
+}
+
+/// A condition that keeps its lastTransitionTime while its status does not change.
+fn condition(
+    previous: &ControllerRegistrationStatus,
+    type_: &str,
+    status: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> Condition {
+    let status = if status { "True" } else { "False" }.to_string();
+    let last_transition_time = previous
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or_else(|| to_time(now));
+    Condition {
+        type_: type_.to_string(),
+        status,
+        reason: reason.to_string(),
+        message: message.to_string(),
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
+/// Whether to write: anything but lastHeartbeat changed, or lastHeartbeat moved by at
+/// least the status resolution.
+pub fn status_needs_write(
+    previous: &ControllerRegistrationStatus,
+    next: &ControllerRegistrationStatus,
+) -> bool {
+    let secs = |t: &Option<Time>| t.as_ref().map(|t| t.0.as_second());
+    let beat_moved = match (secs(&previous.last_heartbeat), secs(&next.last_heartbeat)) {
+        (Some(a), Some(b)) => (b - a).unsigned_abs() >= HEARTBEAT_STATUS_RESOLUTION.as_secs(),
+        (a, b) => a != b,
+    };
+    let strip = |s: &ControllerRegistrationStatus| {
+        let mut s = s.clone();
+        s.last_heartbeat = None;
+        // The Stale message carries the heartbeat age; compare its status only.
+        for c in &mut s.conditions {
+            if c.type_ == "Stale" {
+                c.message.clear();
+            }
+        }
+        s
+    };
+    beat_moved || strip(previous) != strip(next)
+}
+
+/// The Event for a change of role, if the role changed.
+pub fn role_event(
+    previous: &ControllerRegistrationStatus,
+    next: &ControllerRegistrationStatus,
+) -> Option<(EventType, &'static str, String)> {
+    let master_name = next
+        .master
+        .as_ref()
+        .map(|m| m.name.as_str())
+        .unwrap_or("none");
+    let term = next.term.unwrap_or_default();
+    match (previous.role, next.role) {
+        (a, b) if a == b => None,
+        (Role::Peer, Role::Master) => Some((
+            EventType::Normal,
+            "Promoted",
+            format!("promoted to master in term {term}"),
+        )),
+        (_, Role::Master) => Some((
+            EventType::Normal,
+            "BecameMaster",
+            format!("became master in term {term}"),
+        )),
+        (Role::Master, Role::Peer) if next.preempted => {
+            let by = next
+                .preempted_by
+                .as_ref()
+                .map(|p| p.name.as_str())
+                .unwrap_or(master_name);
+            Some((
+                EventType::Warning,
+                "Preempted",
+                format!("preempted by desktop registration {by}"),
+            ))
+        }
+        (Role::Master, Role::Peer) => Some((
+            EventType::Normal,
+            "Demoted",
+            format!("now a peer; master is {master_name}"),
+        )),
+        (_, Role::Peer) => Some((
+            EventType::Normal,
+            "BecamePeer",
+            format!("registered as peer; master is {master_name}"),
+        )),
+        (_, Role::Released) => {
+            let reason = next
+                .release_reason
+                .map(crate::election::store::release_reason_str)
+                .unwrap_or("released");
+            Some((EventType::Normal, "Released", format!("released: {reason}")))
+        }
+        (_, Role::Pending) => next
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready" && c.reason == "DuplicateSession")
+            .map(|c| (EventType::Warning, "DuplicateSession", c.message.clone())),
+    }
+}
+
+async fn publish(
+    ctx: &Context,
+    obj: &ControllerRegistration,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
+    let event = KubeEvent {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: "Elect".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
+        warn!(name = %obj.name_any(), error = %e, "could not record an Event");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn row(name: &str, master: bool) -> Registration {
+        let t = Utc.timestamp_opt(1_700_000_000, 0).single().expect("time");
+        Registration {
+            id: Uuid::new_v4(),
+            namespace: "ns".into(),
+            name: name.into(),
+            project_id: "P".into(),
+            session_id: format!("s-{name}"),
+            agent_surface: "codex".into(),
+            is_master: master,
+            master_term: master.then_some(3),
+            registered_at: t,
+            last_heartbeat: t,
+            released_at: None,
+            release_reason: None,
+            preempted: false,
+            preempted_by: None,
+        }
+    }
+
+    fn status_of(
+        r: &Registration,
+        master: &Registration,
+        now_offset: i64,
+    ) -> ControllerRegistrationStatus {
+        let view = ProjectView {
+            term: 3,
+            master: Some(master.clone()),
+            live: vec![master.clone(), r.clone()],
+        };
+        let now = r.last_heartbeat + chrono::Duration::seconds(now_offset);
+        build_status(
+            r,
+            &view,
+            None,
+            Some(1),
+            &Default::default(),
+            chrono::Duration::minutes(10),
+            now,
+        )
+    }
+
+    #[test]
+    fn master_and_peer_status() {
+        let m = row("m", true);
+        let p = row("p", false);
+        let sm = status_of(&m, &m, 5);
+        assert_eq!(
+            (sm.role, sm.is_master, sm.term),
+            (Role::Master, true, Some(3))
+        );
+        let sp = status_of(&p, &m, 5);
+        assert_eq!((sp.role, sp.is_master, sp.term), (Role::Peer, false, None));
+        assert_eq!(sp.master.as_ref().map(|m| m.name.as_str()), Some("m"));
+        let ready = sp
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .expect("Ready");
+        assert_eq!(ready.status, "True");
+    }
+
+    #[test]
+    fn stale_condition_follows_the_threshold() {
+        let m = row("m", true);
+        let stale = |s: &ControllerRegistrationStatus| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Stale")
+                .map(|c| c.status.clone())
+        };
+        assert_eq!(stale(&status_of(&m, &m, 60)).as_deref(), Some("False"));
+        assert_eq!(stale(&status_of(&m, &m, 11 * 60)).as_deref(), Some("True"));
+    }
+
+    #[test]
+    fn heartbeat_alone_is_written_at_most_every_30_seconds() {
+        let m = row("m", true);
+        let a = status_of(&m, &m, 1);
+        let mut later = m.clone();
+        later.last_heartbeat += chrono::Duration::seconds(10);
+        let b = build_status(
+            &later,
+            &ProjectView {
+                term: 3,
+                master: Some(m.clone()),
+                live: vec![],
+            },
+            None,
+            Some(1),
+            &a,
+            chrono::Duration::minutes(10),
+            later.last_heartbeat,
+        );
+        assert!(
+            !status_needs_write(&a, &b),
+            "10 s of heartbeat is not worth a write"
+        );
+        later.last_heartbeat += chrono::Duration::seconds(25);
+        let c = build_status(
+            &later,
+            &ProjectView {
+                term: 3,
+                master: Some(m.clone()),
+                live: vec![],
+            },
+            None,
+            Some(1),
+            &a,
+            chrono::Duration::minutes(10),
+            later.last_heartbeat,
+        );
+        assert!(status_needs_write(&a, &c));
+    }
+
+    #[test]
+    fn role_changes_have_events() {
+        let m = row("m", true);
+        let p = row("p", false);
+        let peer = status_of(&p, &m, 1);
+        let master = status_of(&m, &m, 1);
+        assert_eq!(
+            role_event(&Default::default(), &master).map(|e| e.1),
+            Some("BecameMaster")
+        );
+        assert_eq!(role_event(&peer, &master).map(|e| e.1), Some("Promoted"));
+        assert_eq!(role_event(&master, &master), None);
+        let mut preempted = peer.clone();
+        preempted.preempted = true;
+        assert_eq!(
+            role_event(&master, &preempted).map(|e| e.1),
+            Some("Preempted")
+        );
+        let mut released = peer.clone();
+        released.role = Role::Released;
+        released.release_reason = Some(ReleaseReason::ContextSwitch);
+        assert_eq!(
+            role_event(&peer, &released).map(|e| e.2),
+            Some("released: context_switch".to_string())
+        );
+    }
+
+    #[test]
+    fn label_values() {
+        assert!(is_label_value("PID-PGR01"));
+        assert!(!is_label_value("has space"));
+        assert!(!is_label_value(&"a".repeat(64)));
+        assert!(!is_label_value("-lead"));
+    }
+}

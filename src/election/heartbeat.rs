@@ -1,0 +1,76 @@
+//! Heartbeat coalescing (D2): every authenticated agent call refreshes its session's
+//! registration, but Postgres sees one batched UPDATE per window, however many calls
+//! arrived in it. Write load grows with the number of sessions, not the call rate.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tracing::warn;
+
+use super::store::ElectionStore;
+
+#[derive(Clone)]
+pub struct HeartbeatCoalescer {
+    pending: Arc<Mutex<HashSet<(String, String)>>>,
+    flushed: Arc<Notify>,
+}
+
+impl HeartbeatCoalescer {
+    /// Starts the flusher: one UPDATE per `window` when there is anything to write.
+    pub fn spawn(store: ElectionStore, window: Duration) -> Self {
+        let this = Self {
+            pending: Arc::default(),
+            flushed: Arc::new(Notify::new()),
+        };
+        let worker = this.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(window);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                worker.flush(&store).await;
+            }
+        });
+        this
+    }
+
+    /// Records a heartbeat of (namespace, session_id); written at the next flush.
+    pub fn beat(&self, namespace: &str, session_id: &str) {
+        if let Ok(mut pending) = self.pending.lock() {
+            pending.insert((namespace.to_string(), session_id.to_string()));
+        }
+    }
+
+    /// Number of sessions waiting for the next flush.
+    pub fn pending(&self) -> usize {
+        self.pending.lock().map(|p| p.len()).unwrap_or(0)
+    }
+
+    /// Writes everything pending in one statement. On a database error the batch is put
+    /// back (a heartbeat is only lost if Postgres stays down past the stale threshold).
+    pub async fn flush(&self, store: &ElectionStore) {
+        let batch: Vec<(String, String)> = match self.pending.lock() {
+            Ok(mut pending) => pending.drain().collect(),
+            Err(_) => return,
+        };
+        if batch.is_empty() {
+            return;
+        }
+        if let Err(e) = store.touch(&batch).await {
+            warn!(sessions = batch.len(), error = %e, "heartbeat flush failed; will retry");
+            if let Ok(mut pending) = self.pending.lock() {
+                pending.extend(batch);
+            }
+            return;
+        }
+        self.flushed.notify_waiters();
+    }
+
+    /// Resolves after the next successful flush (tests, and callers that must read
+    /// their own heartbeat back).
+    pub async fn flushed(&self) {
+        self.flushed.notified().await;
+    }
+}

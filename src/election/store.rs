@@ -1,0 +1,609 @@
+//! The election's Postgres side: each event is one transaction that locks the project
+//! row, reads the live candidates, applies `rules::decide` and writes registrations,
+//! `controller_projects.term` and a `controller_election_events` row. A context switch is
+//! two transactions (D5). Races on the partial unique indexes are retried, never surfaced.
+
+use std::collections::BTreeSet;
+
+use chrono::{DateTime, Utc};
+use sqlx::{PgPool, Postgres, Transaction};
+use tracing::{debug, warn};
+use uuid::Uuid;
+
+use super::ElectionError;
+use super::rules::{Candidate, Decision, Event, ProjectState, Transition, decide};
+use crate::crd::{AgentSurface, ReleaseReason};
+
+const MAX_ATTEMPTS: u32 = 8;
+/// Key of the advisory lock that lets one replica at a time run the stale sweep.
+const SWEEP_LOCK_KEY: i64 = 0x7072_6973_6d5f_7377; // "prism_sw"
+
+#[derive(Clone, Debug)]
+pub struct NewRegistration {
+    /// The resource's metadata.uid.
+    pub id: Uuid,
+    pub namespace: String,
+    pub name: String,
+    pub project_id: String,
+    pub session_id: String,
+    pub surface: AgentSurface,
+}
+
+/// One row of `controller_registrations`.
+#[derive(Clone, Debug, PartialEq, sqlx::FromRow)]
+pub struct Registration {
+    pub id: Uuid,
+    pub namespace: String,
+    pub name: String,
+    pub project_id: String,
+    pub session_id: String,
+    pub agent_surface: String,
+    pub is_master: bool,
+    pub master_term: Option<i64>,
+    pub registered_at: DateTime<Utc>,
+    pub last_heartbeat: DateTime<Utc>,
+    pub released_at: Option<DateTime<Utc>>,
+    pub release_reason: Option<String>,
+    pub preempted: bool,
+    pub preempted_by: Option<Uuid>,
+}
+
+impl Registration {
+    pub fn surface(&self) -> AgentSurface {
+        // The CHECK constraint admits only known surfaces.
+        self.agent_surface.parse().unwrap_or(AgentSurface::Other)
+    }
+
+    pub fn reason(&self) -> Option<ReleaseReason> {
+        match self.release_reason.as_deref()? {
+            "wrapped" => Some(ReleaseReason::Wrapped),
+            "context_switch" => Some(ReleaseReason::ContextSwitch),
+            "stale_heartbeat_incident" => Some(ReleaseReason::StaleHeartbeatIncident),
+            _ => None,
+        }
+    }
+
+    pub fn is_live(&self) -> bool {
+        self.released_at.is_none()
+    }
+}
+
+/// A resource whose status must be refreshed because an election touched it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Touched {
+    pub namespace: String,
+    pub name: String,
+}
+
+#[derive(Clone, Debug)]
+pub enum RegisterOutcome {
+    /// Registered now, or already (idempotent): the row as it stands.
+    Registered(Registration),
+    /// The session already has a live registration on this project under another
+    /// resource; this one is not used.
+    DuplicateSession { existing: Registration },
+}
+
+/// A project's routing view.
+#[derive(Clone, Debug, Default)]
+pub struct ProjectView {
+    pub term: i64,
+    pub master: Option<Registration>,
+    pub live: Vec<Registration>,
+}
+
+const COLUMNS: &str = "id, namespace, name, project_id, session_id, agent_surface, is_master, master_term, \
+     registered_at, last_heartbeat, released_at, release_reason, preempted, preempted_by";
+
+#[derive(Clone)]
+pub struct ElectionStore {
+    pool: PgPool,
+}
+
+impl ElectionStore {
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    pub async fn get(&self, id: Uuid) -> Result<Option<Registration>, ElectionError> {
+        let sql = format!("SELECT {COLUMNS} FROM controller_registrations WHERE id = $1");
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// The live registration of a session, if any.
+    pub async fn live_by_session(
+        &self,
+        namespace: &str,
+        session_id: &str,
+    ) -> Result<Option<Registration>, ElectionError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND released_at IS NULL"
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(namespace)
+            .bind(session_id)
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// Term, master and live registrations of a project (master first, then by succession).
+    pub async fn project(
+        &self,
+        namespace: &str,
+        project_id: &str,
+    ) -> Result<ProjectView, ElectionError> {
+        let term: Option<i64> = sqlx::query_scalar(
+            "SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2",
+        )
+        .bind(namespace)
+        .bind(project_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        let sql = format!(
+            "SELECT {COLUMNS} FROM controller_registrations
+             WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL
+             ORDER BY is_master DESC, (agent_surface = 'claude_desktop') DESC, registered_at, id"
+        );
+        let live: Vec<Registration> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(namespace)
+            .bind(project_id)
+            .fetch_all(&self.pool)
+            .await?;
+        let master = live.iter().find(|r| r.is_master).cloned();
+        Ok(ProjectView {
+            term: term.unwrap_or(0),
+            master,
+            live,
+        })
+    }
+
+    /// Registrations of a project released by the stale sweep since `since`.
+    pub async fn recently_stale(
+        &self,
+        namespace: &str,
+        project_id: &str,
+        since: DateTime<Utc>,
+    ) -> Result<Vec<Registration>, ElectionError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM controller_registrations
+             WHERE namespace = $1 AND project_id = $2 AND release_reason = 'stale_heartbeat_incident' AND released_at >= $3
+             ORDER BY released_at DESC LIMIT 100"
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(namespace)
+            .bind(project_id)
+            .bind(since)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Registers (rules 1-4, 6) and, when the session is live on another project, first
+    /// leaves that one (rule 7: TXN1 release + nudge, TXN2 election). Idempotent.
+    pub async fn register(
+        &self,
+        new: &NewRegistration,
+    ) -> Result<(RegisterOutcome, BTreeSet<Touched>), ElectionError> {
+        let mut touched = BTreeSet::new();
+        for attempt in 1..=MAX_ATTEMPTS {
+            if let Some(existing) = self.get(new.id).await? {
+                // Known already (live or released): registration is idempotent.
+                return Ok((RegisterOutcome::Registered(existing), touched));
+            }
+            if let Some(other) = self
+                .live_by_session(&new.namespace, &new.session_id)
+                .await?
+            {
+                if other.project_id == new.project_id {
+                    return Ok((
+                        RegisterOutcome::DuplicateSession { existing: other },
+                        touched,
+                    ));
+                }
+                // TXN1: context switch away from the old project.
+                match self
+                    .release_once(other.id, ReleaseReason::ContextSwitch)
+                    .await
+                {
+                    Ok(t) => touched.extend(t),
+                    Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+            // TXN2: the election on the new project.
+            match self.register_once(new).await {
+                Ok(Some((row, t))) => {
+                    touched.extend(t);
+                    return Ok((RegisterOutcome::Registered(row), touched));
+                }
+                // The session became live elsewhere meanwhile: go around again.
+                Ok(None) => {
+                    debug!(attempt, session = %new.session_id, "session moved during registration; retrying")
+                }
+                Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => {
+                    debug!(attempt, error = %e, "lost a registration race; retrying")
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(ElectionError::Contended(MAX_ATTEMPTS))
+    }
+
+    async fn register_once(
+        &self,
+        new: &NewRegistration,
+    ) -> Result<Option<(Registration, BTreeSet<Touched>)>, ElectionError> {
+        let mut tx = self.pool.begin().await?;
+        let state = lock_project(&mut tx, &new.namespace, &new.project_id).await?;
+        let clash: Option<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND released_at IS NULL",
+        )
+        .bind(&new.namespace)
+        .bind(&new.session_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if clash.is_some() {
+            return Ok(None);
+        }
+        let registered_at: DateTime<Utc> = sqlx::query_scalar(
+            "INSERT INTO controller_registrations (id, namespace, name, project_id, session_id, agent_surface)
+             VALUES ($1, $2, $3, $4, $5, $6) RETURNING registered_at",
+        )
+        .bind(new.id)
+        .bind(&new.namespace)
+        .bind(&new.name)
+        .bind(&new.project_id)
+        .bind(&new.session_id)
+        .bind(new.surface.as_str())
+        .fetch_one(&mut *tx)
+        .await?;
+        let candidate = Candidate {
+            id: new.id,
+            surface: new.surface,
+            registered_at,
+            is_master: false,
+        };
+        let decision = decide(&state, &Event::Register(candidate));
+        let touched = apply(&mut tx, &new.namespace, &new.project_id, &state, &decision).await?;
+        let sql = format!("SELECT {COLUMNS} FROM controller_registrations WHERE id = $1");
+        let row: Registration = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(new.id)
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Some((row, touched)))
+    }
+
+    /// Releases a registration (wrap, context switch) and promotes a successor if it was
+    /// master. Releasing an unknown or already released registration changes nothing.
+    pub async fn release(
+        &self,
+        id: Uuid,
+        reason: ReleaseReason,
+    ) -> Result<BTreeSet<Touched>, ElectionError> {
+        for attempt in 1..=MAX_ATTEMPTS {
+            match self.release_once(id, reason).await {
+                Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => {
+                    debug!(attempt, error = %e, "lost a release race; retrying")
+                }
+                other => return other,
+            }
+        }
+        Err(ElectionError::Contended(MAX_ATTEMPTS))
+    }
+
+    async fn release_once(
+        &self,
+        id: Uuid,
+        reason: ReleaseReason,
+    ) -> Result<BTreeSet<Touched>, ElectionError> {
+        let Some(row) = self.get(id).await? else {
+            return Ok(BTreeSet::new());
+        };
+        if !row.is_live() {
+            return Ok(BTreeSet::new());
+        }
+        let mut tx = self.pool.begin().await?;
+        let state = lock_project(&mut tx, &row.namespace, &row.project_id).await?;
+        let decision = decide(
+            &state,
+            &Event::Release {
+                ids: vec![id],
+                reason,
+            },
+        );
+        let touched = apply(&mut tx, &row.namespace, &row.project_id, &state, &decision).await?;
+        if reason == ReleaseReason::ContextSwitch && !decision.transitions.is_empty() {
+            write_wrap_nudge(&mut tx, &row).await?;
+        }
+        tx.commit().await?;
+        Ok(touched)
+    }
+
+    /// Releases live registrations whose heartbeat is older than `stale_minutes`
+    /// (`stale_heartbeat_incident`), promoting successors. One replica at a time.
+    pub async fn sweep(&self, stale_minutes: u32) -> Result<BTreeSet<Touched>, ElectionError> {
+        let mut touched = BTreeSet::new();
+        let mut lock_conn = self.pool.acquire().await?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(SWEEP_LOCK_KEY)
+            .fetch_one(&mut *lock_conn)
+            .await?;
+        if !locked {
+            debug!("another replica is sweeping");
+            return Ok(touched);
+        }
+        let result = self.sweep_locked(stale_minutes, &mut touched).await;
+        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(SWEEP_LOCK_KEY)
+            .execute(&mut *lock_conn)
+            .await;
+        result.map(|()| touched)
+    }
+
+    async fn sweep_locked(
+        &self,
+        stale_minutes: u32,
+        touched: &mut BTreeSet<Touched>,
+    ) -> Result<(), ElectionError> {
+        let projects: Vec<(String, String)> = sqlx::query_as(
+            "SELECT DISTINCT namespace, project_id FROM controller_registrations
+             WHERE released_at IS NULL AND last_heartbeat < now() - make_interval(mins => $1)",
+        )
+        .bind(stale_minutes as i32)
+        .fetch_all(&self.pool)
+        .await?;
+        for (namespace, project_id) in projects {
+            for attempt in 1..=MAX_ATTEMPTS {
+                match self
+                    .sweep_project(&namespace, &project_id, stale_minutes)
+                    .await
+                {
+                    Ok(t) => {
+                        touched.extend(t);
+                        break;
+                    }
+                    Err(ElectionError::Database(e))
+                        if ElectionError::is_race(&e) && attempt < MAX_ATTEMPTS =>
+                    {
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn sweep_project(
+        &self,
+        namespace: &str,
+        project_id: &str,
+        stale_minutes: u32,
+    ) -> Result<BTreeSet<Touched>, ElectionError> {
+        let mut tx = self.pool.begin().await?;
+        let state = lock_project(&mut tx, namespace, project_id).await?;
+        // Re-read under the lock: a heartbeat may have arrived since the scan.
+        let stale: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM controller_registrations
+             WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL
+               AND last_heartbeat < now() - make_interval(mins => $3)",
+        )
+        .bind(namespace)
+        .bind(project_id)
+        .bind(stale_minutes as i32)
+        .fetch_all(&mut *tx)
+        .await?;
+        if stale.is_empty() {
+            return Ok(BTreeSet::new());
+        }
+        let decision = decide(
+            &state,
+            &Event::Release {
+                ids: stale,
+                reason: ReleaseReason::StaleHeartbeatIncident,
+            },
+        );
+        let touched = apply(&mut tx, namespace, project_id, &state, &decision).await?;
+        tx.commit().await?;
+        Ok(touched)
+    }
+
+    /// Refreshes `last_heartbeat` of the live registrations of these sessions in one
+    /// statement (the heartbeat coalescer calls it with a whole window's sessions).
+    pub async fn touch(&self, sessions: &[(String, String)]) -> Result<u64, ElectionError> {
+        if sessions.is_empty() {
+            return Ok(0);
+        }
+        let (namespaces, ids): (Vec<&str>, Vec<&str>) = sessions
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_str()))
+            .unzip();
+        let done = sqlx::query(
+            "UPDATE controller_registrations r SET last_heartbeat = now()
+             FROM unnest($1::text[], $2::text[]) AS s(namespace, session_id)
+             WHERE r.namespace = s.namespace AND r.session_id = s.session_id AND r.released_at IS NULL",
+        )
+        .bind(&namespaces)
+        .bind(&ids)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+}
+
+/// Creates the project row if needed, locks it, and reads the live candidates.
+async fn lock_project(
+    tx: &mut Transaction<'_, Postgres>,
+    namespace: &str,
+    project_id: &str,
+) -> Result<ProjectState, ElectionError> {
+    sqlx::query("INSERT INTO controller_projects (namespace, project_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+        .bind(namespace)
+        .bind(project_id)
+        .execute(&mut **tx)
+        .await?;
+    let term: i64 = sqlx::query_scalar(
+        "SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2 FOR UPDATE",
+    )
+    .bind(namespace)
+    .bind(project_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    let rows: Vec<(Uuid, String, DateTime<Utc>, bool)> = sqlx::query_as(
+        "SELECT id, agent_surface, registered_at, is_master FROM controller_registrations
+         WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL",
+    )
+    .bind(namespace)
+    .bind(project_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    let live = rows
+        .into_iter()
+        .map(|(id, surface, registered_at, is_master)| Candidate {
+            id,
+            surface: surface.parse().unwrap_or(AgentSurface::Other),
+            registered_at,
+            is_master,
+        })
+        .collect();
+    Ok(ProjectState { term, live })
+}
+
+/// Writes a decision: role changes in order (demotions and releases before promotions),
+/// the project's term and master, and the election history. Returns the resources whose
+/// status changed: on a change of master, every registration of the project (their
+/// `status.master` changed); otherwise only those whose role changed.
+async fn apply(
+    tx: &mut Transaction<'_, Postgres>,
+    namespace: &str,
+    project_id: &str,
+    before: &ProjectState,
+    decision: &Decision,
+) -> Result<BTreeSet<Touched>, ElectionError> {
+    let term = decision.next.term;
+    for (id, transition) in &decision.transitions {
+        match transition {
+            Transition::Released { reason, .. } => {
+                sqlx::query(
+                    "UPDATE controller_registrations SET is_master = FALSE, released_at = now(), release_reason = $2 WHERE id = $1",
+                )
+                .bind(id)
+                .bind(release_reason_str(*reason))
+                .execute(&mut **tx)
+                .await?;
+            }
+            Transition::Preempted { by } => {
+                sqlx::query(
+                    "UPDATE controller_registrations
+                     SET is_master = FALSE, preempted = TRUE, preempted_by = $2, preempted_at = now() WHERE id = $1",
+                )
+                .bind(id)
+                .bind(by)
+                .execute(&mut **tx)
+                .await?;
+            }
+            Transition::Promoted | Transition::JoinedAsMaster => {
+                sqlx::query("UPDATE controller_registrations SET is_master = TRUE, master_term = $2 WHERE id = $1")
+                    .bind(id)
+                    .bind(term)
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            Transition::JoinedAsPeer => {}
+        }
+    }
+    let mut affected: BTreeSet<Uuid> = decision.transitions.iter().map(|(id, _)| *id).collect();
+    if let Some(change) = &decision.master_change {
+        sqlx::query(
+            "UPDATE controller_projects SET term = $3, master_id = $4, updated_at = now()
+             WHERE namespace = $1 AND project_id = $2",
+        )
+        .bind(namespace)
+        .bind(project_id)
+        .bind(term)
+        .bind(change.master)
+        .execute(&mut **tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO controller_election_events (namespace, project_id, term, master_id, previous_master_id, cause)
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(namespace)
+        .bind(project_id)
+        .bind(term)
+        .bind(change.master)
+        .bind(change.previous)
+        .bind(change.cause.as_str())
+        .execute(&mut **tx)
+        .await?;
+        affected.extend(before.live.iter().map(|c| c.id));
+        affected.extend(decision.next.live.iter().map(|c| c.id));
+    }
+    if affected.is_empty() {
+        return Ok(BTreeSet::new());
+    }
+    let ids: Vec<Uuid> = affected.into_iter().collect();
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM controller_registrations WHERE id = ANY($1)")
+            .bind(&ids)
+            .fetch_all(&mut **tx)
+            .await?;
+    Ok(names
+        .into_iter()
+        .map(|name| Touched {
+            namespace: namespace.to_string(),
+            name,
+        })
+        .collect())
+}
+
+/// D5: context switch tells the old session to wrap. A missing `nudges` table must not
+/// undo the release: the insert runs in a savepoint and its failure is only logged.
+async fn write_wrap_nudge(
+    tx: &mut Transaction<'_, Postgres>,
+    row: &Registration,
+) -> Result<(), ElectionError> {
+    sqlx::query("SAVEPOINT wrap_nudge")
+        .execute(&mut **tx)
+        .await?;
+    let insert = sqlx::query(
+        "INSERT INTO nudges (namespace, session_id, project_id, kind, payload)
+         VALUES ($1, $2, $3, 'wrap_session', jsonb_build_object('reason', 'context_switch', 'registration', $4::text))",
+    )
+    .bind(&row.namespace)
+    .bind(&row.session_id)
+    .bind(&row.project_id)
+    .bind(row.name.as_str())
+    .execute(&mut **tx)
+    .await;
+    match insert {
+        Ok(_) => {
+            sqlx::query("RELEASE SAVEPOINT wrap_nudge")
+                .execute(&mut **tx)
+                .await?;
+        }
+        Err(e) => {
+            warn!(namespace = %row.namespace, project = %row.project_id, error = %e,
+                  "could not write the wrap_session nudge; the context switch release stands");
+            sqlx::query("ROLLBACK TO SAVEPOINT wrap_nudge")
+                .execute(&mut **tx)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+pub fn release_reason_str(reason: ReleaseReason) -> &'static str {
+    match reason {
+        ReleaseReason::Wrapped => "wrapped",
+        ReleaseReason::ContextSwitch => "context_switch",
+        ReleaseReason::StaleHeartbeatIncident => "stale_heartbeat_incident",
+    }
+}
