@@ -9,8 +9,16 @@ use tracing::{info, warn};
 
 use crate::api::{self, AppState};
 use crate::config::{RunArgs, redact_url};
+use crate::controller;
 use crate::db;
+use crate::election::ElectionStore;
+use crate::election::agents::AgentService;
+use crate::election::heartbeat::HeartbeatCoalescer;
 use crate::runtime::RedisStore;
+use crate::telemetry::Metrics;
+
+/// Heartbeats arriving within this window become one UPDATE.
+const HEARTBEAT_WINDOW: Duration = Duration::from_millis(250);
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     args.validate()?;
@@ -30,10 +38,50 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         "cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)",
     )?;
 
+    let metrics = Arc::new(Metrics::default());
+    let election = ElectionStore::new(pool.clone());
+    let heartbeats = HeartbeatCoalescer::spawn(election.clone(), HEARTBEAT_WINDOW);
+    let (triggers, receivers) = controller::triggers();
+    let stale_after = chrono::Duration::minutes(i64::from(args.peer_stale_minutes));
+    let ctx = Arc::new(controller::Context {
+        client: kube.clone(),
+        election: election.clone(),
+        recorder: controller::recorder(kube.clone()),
+        triggers: triggers.clone(),
+        stale_after,
+        metrics: metrics.clone(),
+    });
+    if args.leader_election {
+        warn!(
+            "PRISM_LEADER_ELECTION is on but Lease-based leader election is not built yet: this replica runs the controllers and the sweep; run one replica"
+        );
+    }
+    tokio::spawn(controller::run_registrations(
+        ctx.clone(),
+        receivers,
+        args.watch_namespace.clone(),
+    ));
+    tokio::spawn(controller::run_sweep(
+        ctx.clone(),
+        args.peer_stale_minutes,
+        Duration::from_secs(u64::from(args.sweep_interval_seconds)),
+    ));
+
+    let agents = AgentService {
+        client: kube.clone(),
+        store: election,
+        heartbeats,
+        triggers,
+        stale_window: chrono::Duration::hours(24),
+    };
+    let auth = api::auth::Authorizer::new(kube.clone());
     let state = Arc::new(AppState {
         db: pool,
         redis,
         kube,
+        auth,
+        agents,
+        metrics,
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

@@ -550,13 +550,13 @@ mod tests {
                     "term rises only with a new master"
                 );
             }
-            if let Some(m) = d.next.master() {
-                if d.next.live.iter().any(|c| c.surface.is_desktop()) {
-                    assert!(
-                        m.surface.is_desktop(),
-                        "a desktop masters whenever one is live"
-                    );
-                }
+            if let Some(m) = d.next.master()
+                && d.next.live.iter().any(|c| c.surface.is_desktop())
+            {
+                assert!(
+                    m.surface.is_desktop(),
+                    "a desktop masters whenever one is live"
+                );
             }
             // Anyone installed other than by preemption is the best by succession order.
             if let Some(MasterChange {
@@ -564,14 +564,13 @@ mod tests {
                 cause,
                 ..
             }) = &d.master_change
+                && *cause != Cause::Preempted
             {
-                if *cause != Cause::Preempted {
-                    assert_eq!(
-                        Some(*m),
-                        best(&d.next.live),
-                        "promotion follows the succession order"
-                    );
-                }
+                assert_eq!(
+                    Some(*m),
+                    best(&d.next.live),
+                    "promotion follows the succession order"
+                );
             }
             let applied: Vec<Uuid> = d.transitions.iter().map(|(id, _)| *id).collect();
             let mut dedup = applied.clone();
@@ -615,11 +614,11 @@ mod tests {
                         let d = decide(&before, &Event::Register(c.clone()));
                         w.check(project, &d);
                         // Preemption only by a desktop registering, and only of a non-desktop.
-                        if let Some(old) = before.master() {
-                            if d.next.master().map(|m| m.id) != Some(old.id) {
-                                prop_assert!(c.surface.is_desktop() && !old.surface.is_desktop());
-                                prop_assert_eq!(d.next.master().map(|m| m.id), Some(id));
-                            }
+                        if let Some(old) = before.master()
+                            && d.next.master().map(|m| m.id) != Some(old.id)
+                        {
+                            prop_assert!(c.surface.is_desktop() && !old.surface.is_desktop());
+                            prop_assert_eq!(d.next.master().map(|m| m.id), Some(id));
                         }
                         w.projects[project] = d.next;
                         w.live.insert(session, (project, id));

@@ -200,6 +200,11 @@ impl ElectionStore {
                 .live_by_session(&new.namespace, &new.session_id)
                 .await?
             {
+                if other.id == new.id {
+                    // Registered by a concurrent caller (API and reconciler race) since the
+                    // lookup above: that is this registration.
+                    return Ok((RegisterOutcome::Registered(other), touched));
+                }
                 if other.project_id == new.project_id {
                     return Ok((
                         RegisterOutcome::DuplicateSession { existing: other },

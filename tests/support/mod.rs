@@ -279,3 +279,110 @@ pub fn free_port() -> u16 {
         .expect("addr")
         .port()
 }
+
+/// A `prism-operator run` process of the test's own, watching one namespace, killed on drop.
+pub struct Operator {
+    pub base: String,
+    child: Child,
+}
+
+impl Operator {
+    pub async fn start(
+        cp: &ControlPlane,
+        db: &TestDb,
+        namespace: &str,
+        env: &[(&str, &str)],
+    ) -> Operator {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_prism-operator"))
+            .arg("run")
+            .env("DATABASE_URL", &db.url)
+            .env("REDIS_URL", redis_url())
+            .env("PRISM_REDIS_PREFIX", redis_prefix())
+            .env("KUBECONFIG", &cp.kubeconfig)
+            .env("PRISM_LISTEN", format!("127.0.0.1:{port}"))
+            .env("PRISM_WATCH_NAMESPACE", namespace)
+            .env("PRISM_LEADER_ELECTION", "false")
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("prism-operator run starts");
+        let op = Operator {
+            base: format!("http://127.0.0.1:{port}"),
+            child,
+        };
+        let http = reqwest::Client::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while http
+            .get(format!("{}/healthz", op.base))
+            .send()
+            .await
+            .is_err()
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "operator did not answer /healthz within 30 s"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        op
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `check` until it returns Some, or fails the test after `secs` seconds.
+pub async fn eventually<T, F, Fut>(secs: u64, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {secs}s waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// A ServiceAccount in `namespace` bound to `verbs` on controllerregistrations there,
+/// and a token for it (TokenRequest, as `kubectl create token` does).
+pub fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str]) -> String {
+    let verbs = verbs
+        .iter()
+        .map(|v| format!("\"{v}\""))
+        .collect::<Vec<_>>()
+        .join(",");
+    let manifest = format!(
+        r#"{{"apiVersion":"v1","kind":"List","items":[
+ {{"apiVersion":"v1","kind":"ServiceAccount","metadata":{{"name":"{sa}","namespace":"{namespace}"}}}},
+ {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"Role","metadata":{{"name":"{sa}","namespace":"{namespace}"}},
+  "rules":[{{"apiGroups":["prism.ntecdev.ai"],"resources":["controllerregistrations"],"verbs":[{verbs}]}}]}},
+ {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"RoleBinding","metadata":{{"name":"{sa}","namespace":"{namespace}"}},
+  "roleRef":{{"apiGroup":"rbac.authorization.k8s.io","kind":"Role","name":"{sa}"}},
+  "subjects":[{{"kind":"ServiceAccount","name":"{sa}","namespace":"{namespace}"}}]}}]}}"#
+    );
+    let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest));
+    assert!(out.ok, "RBAC setup failed: {}", out.stderr);
+    cp.kubectl_ok(&["create", "token", sa, "-n", namespace])
+        .trim()
+        .to_string()
+}

@@ -4,15 +4,22 @@
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use serde_json::json;
 use sqlx::PgPool;
-use tower_http::limit::RequestBodyLimitLayer;
 
+use crate::election::agents::AgentService;
 use crate::runtime::RedisStore;
+use crate::telemetry::Metrics;
+
+pub mod auth;
+pub mod controller;
+pub mod error;
+
+pub use error::{ApiError, ApiJson};
 
 /// Largest request body accepted anywhere (SPEC §6: limit it).
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -21,14 +28,35 @@ pub struct AppState {
     pub db: PgPool,
     pub redis: RedisStore,
     pub kube: kube::Client,
+    pub auth: auth::Authorizer,
+    pub agents: AgentService,
+    pub metrics: Arc<Metrics>,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES))
+        .route("/metrics", get(metrics))
+        .route("/api/v1/controller/register", post(controller::register))
+        .route("/api/v1/controller/heartbeat", post(controller::heartbeat))
+        .route("/api/v1/controller/fence", post(controller::fence))
+        .route("/api/v1/controller/{id}/release", post(controller::release))
+        .route(
+            "/api/v1/controller/{project_id}/status",
+            get(controller::status),
+        )
+        .fallback(|| async { ApiError::not_found("not_found", "no such endpoint") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let headers = [(
+        axum::http::header::CONTENT_TYPE,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+    )];
+    (headers, state.metrics.render()).into_response()
 }
 
 /// Liveness: the process serves requests. Dependencies are /readyz's business.

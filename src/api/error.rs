@@ -1,0 +1,131 @@
+//! The one mapping from errors to HTTP: `{"error": {"code", "message"}}` with a status.
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tracing::error;
+
+use crate::election::ElectionError;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", message)
+    }
+    pub fn unauthenticated(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, code, message)
+    }
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "forbidden", message)
+    }
+    pub fn not_found(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, code, message)
+    }
+    pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, code, message)
+    }
+    pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+    }
+    /// Details go to the log; the caller gets a generic message.
+    pub fn internal(context: &str, e: impl std::fmt::Display) -> Self {
+        error!(error = %e, "{context}");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "internal error; see the operator log",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+impl From<ElectionError> for ApiError {
+    fn from(e: ElectionError) -> Self {
+        match e {
+            ElectionError::NotFound(id) => {
+                ApiError::not_found("not_found", format!("registration {id} not found"))
+            }
+            ElectionError::Contended(_) => ApiError::unavailable("contended", e.to_string()),
+            ElectionError::Database(_) => {
+                error!(error = %e, "database error");
+                ApiError::unavailable(
+                    "database_unavailable",
+                    "the election database is unavailable",
+                )
+            }
+        }
+    }
+}
+
+impl From<kube::Error> for ApiError {
+    fn from(e: kube::Error) -> Self {
+        match e {
+            kube::Error::Api(s) if s.code == 404 => ApiError::not_found("not_found", s.message),
+            kube::Error::Api(s) if s.code == 403 => ApiError::forbidden(s.message),
+            kube::Error::Api(s) if s.code == 422 || s.code == 400 => ApiError::invalid(s.message),
+            other => ApiError::unavailable("kubernetes_unavailable", other.to_string()),
+        }
+    }
+}
+
+/// `axum::Json`, but every rejection is our JSON error with a code.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::Json::<T>::from_request(req, state).await {
+            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+            Err(rejection) => Err(match &rejection {
+                JsonRejection::JsonSyntaxError(_) => ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "malformed_json",
+                    rejection.body_text(),
+                ),
+                JsonRejection::JsonDataError(_) => ApiError::invalid(rejection.body_text()),
+                JsonRejection::MissingJsonContentType(_) => ApiError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_media_type",
+                    "expected Content-Type: application/json",
+                ),
+                JsonRejection::BytesRejection(_)
+                    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+                {
+                    ApiError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "payload_too_large",
+                        "request body too large",
+                    )
+                }
+                _ => ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    rejection.body_text(),
+                ),
+            }),
+        }
+    }
+}
