@@ -31,6 +31,22 @@ pub enum Command {
     },
     /// Apply the database migrations (idempotent).
     Migrate(DatabaseArgs),
+    /// Print a project's routing table (master, peers, stale) from the resources' status.
+    Status {
+        project_id: String,
+        /// Namespace of the project (default: the kubeconfig context's).
+        #[arg(short, long)]
+        namespace: Option<String>,
+        #[arg(short, long, value_enum, default_value = "table")]
+        output: OutputFormat,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum OutputFormat {
+    Table,
+    Json,
+    Yaml,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]

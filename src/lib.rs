@@ -9,4 +9,5 @@ pub mod db;
 pub mod election;
 pub mod runtime;
 pub mod server;
+pub mod status_cmd;
 pub mod telemetry;

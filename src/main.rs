@@ -2,7 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use prism_operator::config::{Cli, Command};
-use prism_operator::{crd, db, server, telemetry};
+use prism_operator::{crd, db, server, status_cmd, telemetry};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -58,6 +58,11 @@ async fn run(command: Command) -> anyhow::Result<()> {
             println!("migrations applied");
         }
         Command::Run(args) => server::run(*args).await?,
+        Command::Status {
+            project_id,
+            namespace,
+            output,
+        } => status_cmd::run(&project_id, namespace, output).await?,
     }
     Ok(())
 }

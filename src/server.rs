@@ -40,7 +40,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let metrics = Arc::new(Metrics::default());
     let election = ElectionStore::new(pool.clone());
-    let heartbeats = HeartbeatCoalescer::spawn(election.clone(), HEARTBEAT_WINDOW);
+    let heartbeats = HeartbeatCoalescer::spawn(
+        election.clone(),
+        HEARTBEAT_WINDOW,
+        metrics.heartbeat_flushes.clone(),
+    );
     let (triggers, receivers) = controller::triggers();
     let stale_after = chrono::Duration::minutes(i64::from(args.peer_stale_minutes));
     let ctx = Arc::new(controller::Context {

@@ -320,6 +320,39 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
         "{out}"
     );
 
+    // ... and so does `prism-operator status`, which reads the resources' status.
+    let cli = |format: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_prism-operator"))
+            .args(["status", "PID-A", "-n", &ns, "-o", format])
+            .env("KUBECONFIG", &cp.kubeconfig)
+            .output()
+            .expect("status runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    let from_cli: Value = serde_json::from_str(&cli("json")).expect("json");
+    for key in ["project_id", "namespace", "term"] {
+        assert_eq!(from_cli[key], table[key], "{key}");
+    }
+    assert_eq!(from_cli["master"]["name"], table["master"]["name"]);
+    assert_eq!(from_cli["master"]["id"], table["master"]["id"]);
+    let text = cli("table");
+    assert!(
+        text.starts_with(&format!(
+            "project PID-A in namespace {ns}: term 2, master {second_name}"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with(&second_name) && l.contains("Master") && l.contains("cursor")),
+        "{text}"
+    );
+
     // Heartbeat and fence.
     let hb: Value = http
         .post(op.url("/api/v1/controller/heartbeat"))

@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::Notify;
 use tracing::warn;
 
@@ -15,14 +16,17 @@ use super::store::ElectionStore;
 pub struct HeartbeatCoalescer {
     pending: Arc<Mutex<HashSet<(String, String)>>>,
     flushed: Arc<Notify>,
+    /// UPDATE statements written (exported as prism_controller_heartbeat_flushes).
+    writes: Counter,
 }
 
 impl HeartbeatCoalescer {
     /// Starts the flusher: one UPDATE per `window` when there is anything to write.
-    pub fn spawn(store: ElectionStore, window: Duration) -> Self {
+    pub fn spawn(store: ElectionStore, window: Duration, writes: Counter) -> Self {
         let this = Self {
             pending: Arc::default(),
             flushed: Arc::new(Notify::new()),
+            writes,
         };
         let worker = this.clone();
         tokio::spawn(async move {
@@ -58,6 +62,7 @@ impl HeartbeatCoalescer {
         if batch.is_empty() {
             return;
         }
+        self.writes.inc();
         if let Err(e) = store.touch(&batch).await {
             warn!(sessions = batch.len(), error = %e, "heartbeat flush failed; will retry");
             if let Ok(mut pending) = self.pending.lock() {
@@ -66,6 +71,11 @@ impl HeartbeatCoalescer {
             return;
         }
         self.flushed.notify_waiters();
+    }
+
+    /// How many UPDATEs were written so far.
+    pub fn writes(&self) -> u64 {
+        self.writes.get()
     }
 
     /// Resolves after the next successful flush (tests, and callers that must read
