@@ -66,7 +66,7 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "elect").await;
     let db = TestDb::new().await;
-    let _op = Operator::start(cp, &db, &ns, &[]).await;
+    let _op = Operator::start(cp, &db.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
     let pp = PostParams::default();
 
@@ -214,7 +214,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "switch").await;
     let db = TestDb::new().await;
-    let op = Operator::start(cp, &db, &ns, &[]).await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
     let http = reqwest::Client::new();
     let register = |project: &'static str, session: &'static str, surface: &'static str| {
@@ -412,7 +412,7 @@ async fn scenario_7_stale_registrations_are_swept_and_succeeded() {
     let db = TestDb::new().await;
     let _op = Operator::start(
         cp,
-        &db,
+        &db.url,
         &ns,
         &[
             ("PRISM_SWEEP_INTERVAL_SECONDS", "1"),
@@ -474,7 +474,7 @@ async fn fifty_concurrent_registrations_elect_exactly_one_master() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "fifty").await;
     let db = TestDb::new().await;
-    let _op = Operator::start(cp, &db, &ns, &[]).await;
+    let _op = Operator::start(cp, &db.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
     let creates = (0..50).map(|i| {
         let api = api.clone();
@@ -532,7 +532,7 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "authz").await;
     let db = TestDb::new().await;
-    let op = Operator::start(cp, &db, &ns, &[]).await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let reader = support::agent_token(cp, &ns, "reader", &["get", "list"]);
     let http = reqwest::Client::new();
     let body =
@@ -623,4 +623,78 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
         .await
         .expect("count");
     assert_eq!(rows, 0, "nothing was written");
+}
+
+#[tokio::test]
+async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "pgrestart").await;
+    let pg = support::PrivatePostgres::start();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&pg.url)
+        .await
+        .expect("connect");
+    let op = Operator::start(cp, &pg.url, &ns, &[]).await;
+    let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
+    let pp = PostParams::default();
+    api.create(&pp, &creg("m", "P", "s-m", AgentSurface::Codex))
+        .await
+        .expect("create");
+    wait_status(&api, "m", "m master", |s| s.role == Role::Master).await;
+    api.create(&pp, &creg("p", "P", "s-p", AgentSurface::Cursor))
+        .await
+        .expect("create");
+    wait_status(&api, "p", "p peer", |s| s.role == Role::Peer).await;
+
+    pool.close().await;
+    pg.ctl("stop");
+    // While Postgres is down: readiness says so, and a wrap cannot complete (the
+    // finalizer holds the resource until the release is committed).
+    let http = reqwest::Client::new();
+    eventually(10, "readyz reports postgres down", || async {
+        let r = http.get(op.url("/readyz")).send().await.ok()?;
+        (r.status() == 503).then_some(())
+    })
+    .await;
+    api.delete("m", &DeleteParams::default())
+        .await
+        .expect("delete accepted");
+    api.create(&pp, &creg("d", "P", "s-d", AgentSurface::ClaudeDesktop))
+        .await
+        .expect("create while down");
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(
+        api.get_opt("m").await.expect("get").is_some(),
+        "m must wait for the database"
+    );
+
+    pg.ctl("start");
+    // Converges: m released and gone; the desktop masters; p is its peer.
+    eventually(30, "m released and deleted", || async {
+        api.get_opt("m").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    let d = wait_status(&api, "d", "desktop master", |s| s.role == Role::Master).await;
+    assert!(d.status.and_then(|s| s.term).is_some_and(|t| t >= 2));
+    wait_status(&api, "p", "p peer of d", |s| {
+        s.role == Role::Peer && s.master.as_ref().map(|m| m.name.as_str()) == Some("d")
+    })
+    .await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&pg.url)
+        .await
+        .expect("reconnect");
+    let masters: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND is_master AND released_at IS NULL",
+    )
+    .bind(&ns)
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(masters, 1);
+    let r = http.get(op.url("/readyz")).send().await.expect("readyz");
+    assert_eq!(r.status(), 200);
 }

@@ -289,14 +289,14 @@ pub struct Operator {
 impl Operator {
     pub async fn start(
         cp: &ControlPlane,
-        db: &TestDb,
+        database_url: &str,
         namespace: &str,
         env: &[(&str, &str)],
     ) -> Operator {
         let port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_prism-operator"))
             .arg("run")
-            .env("DATABASE_URL", &db.url)
+            .env("DATABASE_URL", database_url)
             .env("REDIS_URL", redis_url())
             .env("PRISM_REDIS_PREFIX", redis_prefix())
             .env("KUBECONFIG", &cp.kubeconfig)
@@ -385,4 +385,126 @@ pub fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str])
     cp.kubectl_ok(&["create", "token", sa, "-n", namespace])
         .trim()
         .to_string()
+}
+
+/// A PostgreSQL server of the test's own (initdb in a temp dir, loopback port), for
+/// tests that stop and start the database under the operator.
+pub struct PrivatePostgres {
+    pub url: String,
+    dir: PathBuf,
+    bin: PathBuf,
+}
+
+impl PrivatePostgres {
+    fn as_postgres_user(&self, args: &[&str]) -> std::process::Output {
+        let line = args
+            .iter()
+            .map(|a| format!("'{a}'"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        // PostgreSQL refuses to run as root: as root, run it as the `postgres` user.
+        let out = if nix_is_root() {
+            Command::new("su")
+                .args(["postgres", "-s", "/bin/sh", "-c", &line])
+                .output()
+        } else {
+            Command::new("sh").args(["-c", &line]).output()
+        };
+        out.expect("run a PostgreSQL tool")
+    }
+
+    pub fn start() -> PrivatePostgres {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("PostgreSQL server binaries (scripts/services installs them)")
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .filter(|p| p.join("initdb").exists())
+            .max()
+            .expect("an initdb");
+        let dir = std::env::temp_dir().join(format!("prism-pg-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("pg dir");
+        if nix_is_root() {
+            let ok = Command::new("chown")
+                .args(["postgres", dir.to_str().expect("utf-8")])
+                .status()
+                .expect("chown");
+            assert!(ok.success());
+        }
+        let port = free_port();
+        let pg = PrivatePostgres {
+            url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            dir,
+            bin,
+        };
+        let data = pg.dir.join("data");
+        let out = pg.as_postgres_user(&[
+            pg.bin.join("initdb").to_str().expect("utf-8"),
+            "-D",
+            data.to_str().expect("utf-8"),
+            "--auth=trust",
+            "-U",
+            "postgres",
+        ]);
+        assert!(
+            out.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let conf = format!(
+            "port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nfsync = off\n",
+            pg.dir.display()
+        );
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(data.join("postgresql.conf"))
+            .and_then(|mut f| std::io::Write::write_all(&mut f, conf.as_bytes()))
+            .expect("configure");
+        pg.ctl("start");
+        pg
+    }
+
+    pub fn ctl(&self, action: &str) {
+        let data = self.dir.join("data");
+        let log = self.dir.join("log");
+        let args = [
+            self.bin.join("pg_ctl").to_str().expect("utf-8").to_string(),
+            "-D".into(),
+            data.to_str().expect("utf-8").into(),
+            "-l".into(),
+            log.to_str().expect("utf-8").into(),
+            "-w".into(),
+            "-m".into(),
+            "fast".into(),
+            action.into(),
+        ];
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = self.as_postgres_user(&args);
+        assert!(
+            out.status.success(),
+            "pg_ctl {action}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let data = self.dir.join("data");
+        let _ = self.as_postgres_user(&[
+            self.bin.join("pg_ctl").to_str().unwrap_or_default(),
+            "-D",
+            data.to_str().unwrap_or_default(),
+            "-m",
+            "immediate",
+            "stop",
+        ]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn nix_is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| o.stdout.starts_with(b"0\n"))
+        .unwrap_or(false)
 }
