@@ -29,18 +29,12 @@ pub struct ControllerLabels {
     pub controller: String,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CauseLabels {
-    pub cause: String,
-}
-
 /// Prometheus metrics, served as text on /metrics.
 pub struct Metrics {
     registry: Registry,
     reconciles: Family<ControllerLabels, Counter>,
     reconcile_errors: Family<ControllerLabels, Counter>,
     reconcile_seconds: Family<ControllerLabels, Histogram>,
-    pub election_events: Family<CauseLabels, Counter>,
     pub heartbeats: Counter,
     pub heartbeat_flushes: Counter,
 }
@@ -53,7 +47,6 @@ impl Default for Metrics {
         let reconcile_seconds = Family::<ControllerLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.001, 2.0, 14))
         });
-        let election_events = Family::<CauseLabels, Counter>::default();
         let heartbeats = Counter::default();
         let heartbeat_flushes = Counter::default();
         registry.register(
@@ -72,11 +65,6 @@ impl Default for Metrics {
             reconcile_seconds.clone(),
         );
         registry.register(
-            "election_events",
-            "Changes of master by cause",
-            election_events.clone(),
-        );
-        registry.register(
             "controller_heartbeats",
             "Agent heartbeats received",
             heartbeats.clone(),
@@ -91,7 +79,6 @@ impl Default for Metrics {
             reconciles,
             reconcile_errors,
             reconcile_seconds,
-            election_events,
             heartbeats,
             heartbeat_flushes,
         }
