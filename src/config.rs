@@ -7,11 +7,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "prism-operator",
-    version,
-    about = "Kubernetes operator for controller elections and Run sessions"
-)]
+#[command(name = "prism-operator", version, about = "Kubernetes operator for controller elections and Run sessions")]
 pub struct Cli {
     #[command(flatten)]
     pub log: LogArgs,
@@ -58,13 +54,7 @@ pub enum LogFormat {
 #[derive(Debug, Args)]
 pub struct LogArgs {
     /// Log format; the filter comes from RUST_LOG (default `info`).
-    #[arg(
-        long,
-        env = "PRISM_LOG_FORMAT",
-        value_enum,
-        default_value = "text",
-        global = true
-    )]
+    #[arg(long, env = "PRISM_LOG_FORMAT", value_enum, default_value = "text", global = true)]
     pub log_format: LogFormat,
 }
 
@@ -100,6 +90,10 @@ pub struct RunArgs {
     #[arg(long, env = "PRISM_RUN_LEASE_SECONDS", default_value_t = 30,
           value_parser = clap::value_parser!(u32).range(5..=3600))]
     pub run_lease_seconds: u32,
+    /// A claimed job not progressed within this many seconds returns to the queue.
+    #[arg(long, env = "PRISM_JOB_VISIBILITY_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u32).range(1..=86_400))]
+    pub job_visibility_seconds: u32,
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "PRISM_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
@@ -128,10 +122,7 @@ pub enum ConfigError {
 impl DatabaseArgs {
     /// The URL, checked for shape only (the connection is tried later).
     pub fn url(&self) -> Result<&str, ConfigError> {
-        let url = self
-            .database_url
-            .as_deref()
-            .filter(|u| !u.trim().is_empty());
+        let url = self.database_url.as_deref().filter(|u| !u.trim().is_empty());
         let url = url.ok_or(ConfigError::Missing("DATABASE_URL", "database-url"))?;
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(ConfigError::Malformed(
@@ -148,10 +139,7 @@ impl RunArgs {
         let url = self.redis_url.as_deref().filter(|u| !u.trim().is_empty());
         let url = url.ok_or(ConfigError::Missing("REDIS_URL", "redis-url"))?;
         if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-            return Err(ConfigError::Malformed(
-                "REDIS_URL",
-                "expected redis://host:port".into(),
-            ));
+            return Err(ConfigError::Malformed("REDIS_URL", "expected redis://host:port".into()));
         }
         Ok(url)
     }
@@ -162,15 +150,9 @@ impl RunArgs {
         self.redis_url()?;
         let prefix_ok = !self.redis_prefix.is_empty()
             && self.redis_prefix.len() <= 64
-            && self
-                .redis_prefix
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+            && self.redis_prefix.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
         if !prefix_ok {
-            return Err(ConfigError::Malformed(
-                "PRISM_REDIS_PREFIX",
-                "use 1-64 characters of [A-Za-z0-9._-]".into(),
-            ));
+            return Err(ConfigError::Malformed("PRISM_REDIS_PREFIX", "use 1-64 characters of [A-Za-z0-9._-]".into()));
         }
         Ok(())
     }
@@ -203,13 +185,7 @@ mod tests {
 
     #[test]
     fn defaults_follow_the_spec() {
-        let a = run_args(&[
-            "--database-url",
-            "postgres://a@b/c",
-            "--redis-url",
-            "redis://x",
-        ])
-        .unwrap();
+        let a = run_args(&["--database-url", "postgres://a@b/c", "--redis-url", "redis://x"]).unwrap();
         assert_eq!(a.redis_prefix, "prism");
         assert_eq!(a.listen.to_string(), "0.0.0.0:8080");
         assert_eq!(a.peer_stale_minutes, 10);
@@ -227,31 +203,15 @@ mod tests {
         let mut a = run_args(&[]).unwrap();
         a.database.database_url = None;
         a.redis_url = Some("redis://x".into());
-        assert_eq!(
-            a.validate().unwrap_err().to_string(),
-            "DATABASE_URL is not set (flag --database-url)"
-        );
+        assert_eq!(a.validate().unwrap_err().to_string(), "DATABASE_URL is not set (flag --database-url)");
         a.database.database_url = Some("mysql://x".into());
-        assert!(
-            a.validate()
-                .unwrap_err()
-                .to_string()
-                .starts_with("DATABASE_URL is malformed")
-        );
+        assert!(a.validate().unwrap_err().to_string().starts_with("DATABASE_URL is malformed"));
         a.database.database_url = Some("postgres://x/y".into());
         a.redis_url = Some("  ".into());
-        assert_eq!(
-            a.validate().unwrap_err(),
-            ConfigError::Missing("REDIS_URL", "redis-url")
-        );
+        assert_eq!(a.validate().unwrap_err(), ConfigError::Missing("REDIS_URL", "redis-url"));
         a.redis_url = Some("redis://x".into());
         a.redis_prefix = "has space".into();
-        assert!(
-            a.validate()
-                .unwrap_err()
-                .to_string()
-                .starts_with("PRISM_REDIS_PREFIX is malformed")
-        );
+        assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_REDIS_PREFIX is malformed"));
     }
 
     #[test]
@@ -260,22 +220,12 @@ mod tests {
         assert!(run_args(&["--peer-stale-minutes", "0"]).is_err());
         assert!(run_args(&["--listen", "nonsense"]).is_err());
         assert!(run_args(&["--leader-election", "maybe"]).is_err());
-        assert!(
-            !run_args(&["--leader-election", "off"])
-                .unwrap()
-                .leader_election
-        );
+        assert!(!run_args(&["--leader-election", "off"]).unwrap().leader_election);
     }
 
     #[test]
     fn redaction_hides_the_password_only() {
-        assert_eq!(
-            redact_url("postgres://prism:s3cret@db:5432/prism"),
-            "postgres://prism:***@db:5432/prism"
-        );
-        assert_eq!(
-            redact_url("redis://127.0.0.1:6379"),
-            "redis://127.0.0.1:6379"
-        );
+        assert_eq!(redact_url("postgres://prism:s3cret@db:5432/prism"), "postgres://prism:***@db:5432/prism");
+        assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
     }
 }

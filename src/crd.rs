@@ -39,16 +39,8 @@ pub const PROJECT_LABEL: &str = "prism.ntecdev.ai/project";
     printcolumn(name = "Surface", type_ = "string", json_path = ".spec.agentSurface"),
     printcolumn(name = "Role", type_ = "string", json_path = ".status.role"),
     printcolumn(name = "Term", type_ = "integer", json_path = ".status.term"),
-    printcolumn(
-        name = "Heartbeat",
-        type_ = "date",
-        json_path = ".status.lastHeartbeat"
-    ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
+    printcolumn(name = "Heartbeat", type_ = "date", json_path = ".status.lastHeartbeat"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 // Changing project is a context switch, which is a new registration: spec never changes.
 #[x_kube(validation = Rule::new("self == oldSelf").message(
@@ -105,10 +97,7 @@ impl AgentSurface {
 impl std::str::FromStr for AgentSurface {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        AgentSurface::ALL
-            .into_iter()
-            .find(|a| a.as_str() == s)
-            .ok_or_else(|| format!("unknown agent surface {s:?}"))
+        AgentSurface::ALL.into_iter().find(|a| a.as_str() == s).ok_or_else(|| format!("unknown agent surface {s:?}"))
     }
 }
 
@@ -195,43 +184,21 @@ pub struct ControllerRegistrationStatus {
     selectable = ".spec.serverInstanceId",
     selectable = ".spec.componentKind",
     doc = "The durable identity and credential of a machine-side Run; its live session is a Redis TTL lease.",
-    printcolumn(
-        name = "Server",
-        type_ = "string",
-        json_path = ".spec.serverInstanceId"
-    ),
-    printcolumn(
-        name = "Component",
-        type_ = "string",
-        json_path = ".spec.componentKind"
-    ),
+    printcolumn(name = "Server", type_ = "string", json_path = ".spec.serverInstanceId"),
+    printcolumn(name = "Component", type_ = "string", json_path = ".spec.componentKind"),
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Version", type_ = "string", json_path = ".status.version"),
-    printcolumn(
-        name = "Heartbeat",
-        type_ = "date",
-        json_path = ".status.lastHeartbeat"
-    ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
+    printcolumn(name = "Heartbeat", type_ = "date", json_path = ".status.lastHeartbeat"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct RunSessionSpec {
     /// The server instance this Run belongs to; with componentKind, unique in the cluster.
-    #[schemars(
-        length(min = 1, max = 253),
-        regex(pattern = r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
-    )]
+    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$"))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("serverInstanceId is immutable"))]
     pub server_instance_id: String,
     /// The kind of component (lowercase DNS label), e.g. `run`.
-    #[schemars(
-        length(min = 1, max = 63),
-        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    )]
+    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("componentKind is immutable"))]
     pub component_kind: String,
     pub credential: RunCredential,

@@ -23,10 +23,7 @@ pub async fn connect(url: &str) -> Result<PgPool, DbError> {
         .acquire_timeout(Duration::from_secs(5))
         .connect(url)
         .await
-        .map_err(|source| DbError::Connect {
-            url: crate::config::redact_url(url),
-            source,
-        })
+        .map_err(|source| DbError::Connect { url: crate::config::redact_url(url), source })
 }
 
 /// Applies every pending migration; a second call is a no-op.

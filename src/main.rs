@@ -20,10 +20,7 @@ async fn main() -> ExitCode {
             }
             // One line: the first line of clap's message names the bad setting.
             let msg = e.to_string();
-            eprintln!(
-                "{}",
-                msg.lines().next().unwrap_or("error: invalid arguments")
-            );
+            eprintln!("{}", msg.lines().next().unwrap_or("error: invalid arguments"));
             return ExitCode::from(2);
         }
     };
@@ -58,11 +55,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             println!("migrations applied");
         }
         Command::Run(args) => server::run(*args).await?,
-        Command::Status {
-            project_id,
-            namespace,
-            output,
-        } => status_cmd::run(&project_id, namespace, output).await?,
+        Command::Status { project_id, namespace, output } => status_cmd::run(&project_id, namespace, output).await?,
     }
     Ok(())
 }

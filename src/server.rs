@@ -1,10 +1,11 @@
-//! `prism-operator run`: wires configuration, stores, the Kubernetes client and the HTTP
-//! API together, and shuts down cleanly on SIGTERM.
+//! `prism-operator run`: wires configuration, stores, the Kubernetes client, the
+//! controllers, the background loops and the HTTP API together, and shuts down cleanly
+//! on SIGTERM.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::Context as _;
 use tracing::{info, warn};
 
 use crate::api::{self, AppState};
@@ -15,10 +16,15 @@ use crate::election::ElectionStore;
 use crate::election::agents::AgentService;
 use crate::election::heartbeat::HeartbeatCoalescer;
 use crate::runtime::RedisStore;
+use crate::runtime::identity::IdentityStore;
+use crate::runtime::jobs::JobStore;
+use crate::runtime::service::RuntimeService;
 use crate::telemetry::Metrics;
 
 /// Heartbeats arriving within this window become one UPDATE.
 const HEARTBEAT_WINDOW: Duration = Duration::from_millis(250);
+/// How often the reaper looks for jobs past their visibility timeout.
+const REAPER_INTERVAL: Duration = Duration::from_secs(2);
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     args.validate()?;
@@ -34,59 +40,51 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         warn!(redis = %redact_url(redis_url), error = %e, "Redis is unreachable; the runtime registry is unavailable until it returns");
     }
 
-    let kube = kube::Client::try_default().await.context(
-        "cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)",
-    )?;
+    let kube = kube::Client::try_default()
+        .await
+        .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")?;
 
     let metrics = Arc::new(Metrics::default());
     let election = ElectionStore::new(pool.clone());
-    let heartbeats = HeartbeatCoalescer::spawn(
-        election.clone(),
-        HEARTBEAT_WINDOW,
-        metrics.heartbeat_flushes.clone(),
-    );
+    let heartbeats = HeartbeatCoalescer::spawn(election.clone(), HEARTBEAT_WINDOW, metrics.heartbeat_flushes.clone());
+    let runtime = RuntimeService {
+        redis: redis.clone(),
+        identities: IdentityStore::new(pool.clone()),
+        jobs: JobStore::new(pool.clone(), Duration::from_secs(u64::from(args.job_visibility_seconds))),
+        default_lease_seconds: args.run_lease_seconds,
+    };
     let (triggers, receivers) = controller::triggers();
-    let stale_after = chrono::Duration::minutes(i64::from(args.peer_stale_minutes));
     let ctx = Arc::new(controller::Context {
         client: kube.clone(),
         election: election.clone(),
+        runtime: runtime.clone(),
         recorder: controller::recorder(kube.clone()),
         triggers: triggers.clone(),
-        stale_after,
+        stale_after: chrono::Duration::minutes(i64::from(args.peer_stale_minutes)),
         metrics: metrics.clone(),
     });
     if args.leader_election {
         warn!(
-            "PRISM_LEADER_ELECTION is on but Lease-based leader election is not built yet: this replica runs the controllers and the sweep; run one replica"
+            "PRISM_LEADER_ELECTION is on but Lease-based leader election is not built yet: this replica runs the controllers, the sweep and the reaper; run one replica"
         );
     }
-    tokio::spawn(controller::run_registrations(
-        ctx.clone(),
-        receivers,
-        args.watch_namespace.clone(),
-    ));
+    tokio::spawn(controller::run_controllers(ctx.clone(), receivers, args.watch_namespace.clone()));
     tokio::spawn(controller::run_sweep(
         ctx.clone(),
         args.peer_stale_minutes,
         Duration::from_secs(u64::from(args.sweep_interval_seconds)),
     ));
+    tokio::spawn(controller::run_reaper(ctx.clone(), REAPER_INTERVAL));
 
     let agents = AgentService {
         client: kube.clone(),
         store: election,
         heartbeats,
-        triggers,
+        triggers: triggers.clone(),
         stale_window: chrono::Duration::hours(24),
     };
     let auth = api::auth::Authorizer::new(kube.clone());
-    let state = Arc::new(AppState {
-        db: pool,
-        redis,
-        kube,
-        auth,
-        agents,
-        metrics,
-    });
+    let state = Arc::new(AppState { db: pool, redis, kube, auth, agents, runtime, triggers, metrics });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {} (PRISM_LISTEN)", args.listen))?;
@@ -113,9 +111,7 @@ async fn connect_with_retry(url: &str) -> anyhow::Result<sqlx::PgPool> {
             }
         }
     }
-    Err(last
-        .map(anyhow::Error::from)
-        .unwrap_or_else(|| anyhow::anyhow!("PostgreSQL not reachable")))
+    Err(last.map(anyhow::Error::from).unwrap_or_else(|| anyhow::anyhow!("PostgreSQL not reachable")))
 }
 
 async fn shutdown_signal() {

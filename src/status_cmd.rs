@@ -13,9 +13,7 @@ use crate::crd::{ControllerRegistration, ReleaseReason, Role};
 use crate::election::agents::{RouteEntry, RoutingTable};
 
 fn chrono_of(t: &Option<Time>) -> DateTime<Utc> {
-    t.as_ref()
-        .and_then(|t| DateTime::from_timestamp_micros(t.0.as_microsecond()))
-        .unwrap_or(DateTime::UNIX_EPOCH)
+    t.as_ref().and_then(|t| DateTime::from_timestamp_micros(t.0.as_microsecond())).unwrap_or(DateTime::UNIX_EPOCH)
 }
 
 fn role_str(role: Role) -> &'static str {
@@ -28,11 +26,7 @@ fn role_str(role: Role) -> &'static str {
 }
 
 /// The routing table of one project, built from the registrations' status (pure).
-pub fn routing_table(
-    namespace: &str,
-    project_id: &str,
-    regs: &[ControllerRegistration],
-) -> RoutingTable {
+pub fn routing_table(namespace: &str, project_id: &str, regs: &[ControllerRegistration]) -> RoutingTable {
     let mut table = RoutingTable {
         project_id: project_id.to_string(),
         namespace: namespace.to_string(),
@@ -45,10 +39,7 @@ pub fn routing_table(
     for r in regs {
         let status = r.status.clone().unwrap_or_default();
         let entry = RouteEntry {
-            id: r
-                .uid()
-                .and_then(|u| Uuid::parse_str(&u).ok())
-                .unwrap_or_default(),
+            id: r.uid().and_then(|u| Uuid::parse_str(&u).ok()).unwrap_or_default(),
             namespace: namespace.to_string(),
             name: r.name_any(),
             session_id: r.spec.session_id.clone(),
@@ -63,19 +54,13 @@ pub fn routing_table(
                 table.master = Some(entry);
             }
             Role::Peer => table.peers.push(entry),
-            Role::Released
-                if status.release_reason == Some(ReleaseReason::StaleHeartbeatIncident) =>
-            {
+            Role::Released if status.release_reason == Some(ReleaseReason::StaleHeartbeatIncident) => {
                 table.stale.push(entry)
             }
             _ => {}
         }
     }
-    table.peers.sort_by(|a, b| {
-        a.registered_at
-            .cmp(&b.registered_at)
-            .then(a.name.cmp(&b.name))
-    });
+    table.peers.sort_by(|a, b| a.registered_at.cmp(&b.registered_at).then(a.name.cmp(&b.name)));
     table
 }
 
@@ -93,17 +78,9 @@ fn age(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
 
 /// Renders the table as a person reads it.
 pub fn render(table: &RoutingTable, now: DateTime<Utc>) -> String {
-    let mut rows = vec![
-        ["NAME", "ROLE", "SURFACE", "SESSION", "HEARTBEAT"]
-            .map(String::from)
-            .to_vec(),
-    ];
+    let mut rows = vec![["NAME", "ROLE", "SURFACE", "SESSION", "HEARTBEAT"].map(String::from).to_vec()];
     for e in table.master.iter().chain(&table.peers).chain(&table.stale) {
-        let role = if e.role == "Released" {
-            "Stale"
-        } else {
-            e.role
-        };
+        let role = if e.role == "Released" { "Stale" } else { e.role };
         rows.push(vec![
             e.name.clone(),
             role.into(),
@@ -112,43 +89,27 @@ pub fn render(table: &RoutingTable, now: DateTime<Utc>) -> String {
             age(e.last_heartbeat, now),
         ]);
     }
-    let widths: Vec<usize> = (0..5)
-        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
-        .collect();
+    let widths: Vec<usize> = (0..5).map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0)).collect();
     let mut out = format!(
         "project {} in namespace {}: term {}, master {}\n",
         table.project_id,
         table.namespace,
         table.term,
-        table
-            .master
-            .as_ref()
-            .map(|m| m.name.as_str())
-            .unwrap_or("none")
+        table.master.as_ref().map(|m| m.name.as_str()).unwrap_or("none")
     );
     for r in rows {
-        let line: Vec<String> = r
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
+        let line: Vec<String> = r.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         out.push_str(line.join("   ").trim_end());
         out.push('\n');
     }
     out
 }
 
-pub async fn run(
-    project_id: &str,
-    namespace: Option<String>,
-    output: OutputFormat,
-) -> anyhow::Result<()> {
+pub async fn run(project_id: &str, namespace: Option<String>, output: OutputFormat) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
     let namespace = namespace.unwrap_or_else(|| client.default_namespace().to_string());
     let api: Api<ControllerRegistration> = Api::namespaced(client, &namespace);
-    let list = api
-        .list(&ListParams::default().fields(&format!("spec.projectId={project_id}")))
-        .await?;
+    let list = api.list(&ListParams::default().fields(&format!("spec.projectId={project_id}"))).await?;
     let table = routing_table(&namespace, project_id, &list.items);
     match output {
         OutputFormat::Table => print!("{}", render(&table, Utc::now())),

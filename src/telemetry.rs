@@ -9,9 +9,7 @@ pub fn init(format: LogFormat) {
     let registry = tracing_subscriber::registry().with(filter);
     // A second init (tests) is harmless: keep the first subscriber.
     let _ = match format {
-        LogFormat::Json => registry
-            .with(fmt::layer().json().with_current_span(false))
-            .try_init(),
+        LogFormat::Json => registry.with(fmt::layer().json().with_current_span(false)).try_init(),
         LogFormat::Text => registry.with(fmt::layer().with_target(true)).try_init(),
     };
 }
@@ -49,51 +47,24 @@ impl Default for Metrics {
         });
         let heartbeats = Counter::default();
         let heartbeat_flushes = Counter::default();
-        registry.register(
-            "reconciles",
-            "Reconciliations per controller",
-            reconciles.clone(),
-        );
-        registry.register(
-            "reconcile_errors",
-            "Failed reconciliations per controller",
-            reconcile_errors.clone(),
-        );
-        registry.register(
-            "reconcile_duration_seconds",
-            "Reconciliation duration",
-            reconcile_seconds.clone(),
-        );
-        registry.register(
-            "controller_heartbeats",
-            "Agent heartbeats received",
-            heartbeats.clone(),
-        );
+        registry.register("reconciles", "Reconciliations per controller", reconciles.clone());
+        registry.register("reconcile_errors", "Failed reconciliations per controller", reconcile_errors.clone());
+        registry.register("reconcile_duration_seconds", "Reconciliation duration", reconcile_seconds.clone());
+        registry.register("controller_heartbeats", "Agent heartbeats received", heartbeats.clone());
         registry.register(
             "controller_heartbeat_flushes",
             "Batched heartbeat UPDATEs written",
             heartbeat_flushes.clone(),
         );
-        Self {
-            registry,
-            reconciles,
-            reconcile_errors,
-            reconcile_seconds,
-            heartbeats,
-            heartbeat_flushes,
-        }
+        Self { registry, reconciles, reconcile_errors, reconcile_seconds, heartbeats, heartbeat_flushes }
     }
 }
 
 impl Metrics {
     pub fn reconciled(&self, controller: &str, took: Duration, failed: bool) {
-        let labels = ControllerLabels {
-            controller: controller.to_string(),
-        };
+        let labels = ControllerLabels { controller: controller.to_string() };
         self.reconciles.get_or_create(&labels).inc();
-        self.reconcile_seconds
-            .get_or_create(&labels)
-            .observe(took.as_secs_f64());
+        self.reconcile_seconds.get_or_create(&labels).observe(took.as_secs_f64());
         if failed {
             self.reconcile_errors.get_or_create(&labels).inc();
         }

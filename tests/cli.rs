@@ -11,13 +11,7 @@ use support::{TestDb, control_plane};
 fn bin() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_prism-operator"));
     // Only what each test sets: no DATABASE_URL etc. leaking in from the test environment.
-    for var in [
-        "DATABASE_URL",
-        "REDIS_URL",
-        "KUBECONFIG",
-        "PRISM_LISTEN",
-        "PRISM_REDIS_PREFIX",
-    ] {
+    for var in ["DATABASE_URL", "REDIS_URL", "KUBECONFIG", "PRISM_LISTEN", "PRISM_REDIS_PREFIX"] {
         cmd.env_remove(var);
     }
     cmd
@@ -31,33 +25,15 @@ fn crdgen_prints_both_crds() {
     let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&yaml)
         .map(|d| serde::Deserialize::deserialize(d).expect("valid YAML document"))
         .collect();
-    let names: Vec<&str> = docs
-        .iter()
-        .filter_map(|d| d["metadata"]["name"].as_str())
-        .collect();
-    assert_eq!(
-        names,
-        [
-            "controllerregistrations.prism.ntecdev.ai",
-            "runsessions.prism.ntecdev.ai"
-        ]
-    );
+    let names: Vec<&str> = docs.iter().filter_map(|d| d["metadata"]["name"].as_str()).collect();
+    assert_eq!(names, ["controllerregistrations.prism.ntecdev.ai", "runsessions.prism.ntecdev.ai"]);
 }
 
 fn one_line_error(args: &[&str], envs: &[(&str, &str)]) -> String {
-    let out = bin()
-        .args(args)
-        .envs(envs.iter().copied())
-        .stdin(Stdio::null())
-        .output()
-        .expect("runs");
+    let out = bin().args(args).envs(envs.iter().copied()).stdin(Stdio::null()).output().expect("runs");
     assert!(!out.status.success(), "{args:?} should fail");
     let stderr = String::from_utf8_lossy(&out.stderr).trim_end().to_string();
-    assert_eq!(
-        stderr.lines().count(),
-        1,
-        "exactly one line, got: {stderr:?}"
-    );
+    assert_eq!(stderr.lines().count(), 1, "exactly one line, got: {stderr:?}");
     assert!(!stderr.contains("panicked"), "{stderr}");
     stderr
 }
@@ -66,10 +42,7 @@ fn one_line_error(args: &[&str], envs: &[(&str, &str)]) -> String {
 fn bad_configuration_is_a_one_line_error() {
     let e = one_line_error(&["run"], &[("REDIS_URL", "redis://127.0.0.1:1")]);
     assert_eq!(e, "error: DATABASE_URL is not set (flag --database-url)");
-    let e = one_line_error(
-        &["run"],
-        &[("DATABASE_URL", "postgres://u:pw@127.0.0.1:1/db")],
-    );
+    let e = one_line_error(&["run"], &[("DATABASE_URL", "postgres://u:pw@127.0.0.1:1/db")]);
     assert_eq!(e, "error: REDIS_URL is not set (flag --redis-url)");
     let e = one_line_error(&["run"], &[("PRISM_LISTEN", "everywhere")]);
     assert!(e.contains("everywhere") && e.contains("--listen"), "{e}");
@@ -78,39 +51,22 @@ fn bad_configuration_is_a_one_line_error() {
     let e = one_line_error(&["run"], &[("PRISM_LEADER_ELECTION", "perhaps")]);
     assert!(e.contains("perhaps"), "{e}");
     // A password in a bad URL never reaches the terminal.
-    let e = one_line_error(
-        &["migrate"],
-        &[("DATABASE_URL", "postgres://prism:hunter2@127.0.0.1:1/db")],
-    );
-    assert!(
-        e.contains("cannot connect to PostgreSQL") && !e.contains("hunter2"),
-        "{e}"
-    );
+    let e = one_line_error(&["migrate"], &[("DATABASE_URL", "postgres://prism:hunter2@127.0.0.1:1/db")]);
+    assert!(e.contains("cannot connect to PostgreSQL") && !e.contains("hunter2"), "{e}");
 }
 
 #[tokio::test]
 async fn migrate_subcommand_is_idempotent() {
     let db = TestDb::empty().await;
     for _ in 0..2 {
-        let out = bin()
-            .arg("migrate")
-            .env("DATABASE_URL", &db.url)
-            .output()
-            .expect("migrate runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = bin().arg("migrate").env("DATABASE_URL", &db.url).output().expect("migrate runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
     let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
         .fetch_one(&db.pool)
         .await
         .expect("migrations table");
-    assert_eq!(
-        applied as usize,
-        prism_operator::db::MIGRATOR.iter().count()
-    );
+    assert_eq!(applied as usize, prism_operator::db::MIGRATOR.iter().count());
 }
 
 struct Running(std::process::Child);
@@ -147,17 +103,10 @@ async fn run_serves_health_and_readiness() {
             assert_eq!(r.status(), 200);
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "run did not answer /healthz within 30 s"
-        );
+        assert!(Instant::now() < deadline, "run did not answer /healthz within 30 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let r = http
-        .get(format!("{base}/readyz"))
-        .send()
-        .await
-        .expect("readyz");
+    let r = http.get(format!("{base}/readyz")).send().await.expect("readyz");
     assert_eq!(r.status(), 200);
     let body: serde_json::Value = r.json().await.expect("json");
     assert_eq!(body["status"], "ready", "{body}");
@@ -165,10 +114,8 @@ async fn run_serves_health_and_readiness() {
         assert_eq!(body["checks"][dep]["status"], "ok", "{dep}: {body}");
     }
     // `run` applied the migrations at start.
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
-        .fetch_one(&db.pool)
-        .await
-        .expect("migrated");
+    let applied: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&db.pool).await.expect("migrated");
     assert!(applied >= 2);
 }
 
@@ -194,20 +141,13 @@ async fn readyz_reports_an_unreachable_redis() {
     let http = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     let body: serde_json::Value = loop {
-        if let Ok(r) = http
-            .get(format!("http://127.0.0.1:{port}/readyz"))
-            .send()
-            .await
-        {
+        if let Ok(r) = http.get(format!("http://127.0.0.1:{port}/readyz")).send().await {
             break r.json().await.expect("json");
         }
         assert!(Instant::now() < deadline, "run did not answer within 30 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert_eq!(
-        body["checks"]["runtime_registry"]["status"], "unavailable",
-        "{body}"
-    );
+    assert_eq!(body["checks"]["runtime_registry"]["status"], "unavailable", "{body}");
     assert_eq!(body["checks"]["postgres"]["status"], "ok", "{body}");
     assert_eq!(body["status"], "degraded", "{body}");
 }

@@ -7,20 +7,14 @@ use std::collections::BTreeMap;
 
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, ResourceExt};
-use prism_operator::crd::{
-    AgentSurface, ControllerRegistration, ControllerRegistrationSpec, ReleaseReason, Role,
-};
+use prism_operator::crd::{AgentSurface, ControllerRegistration, ControllerRegistrationSpec, ReleaseReason, Role};
 use serde_json::{Value, json};
 use support::{Operator, TestDb, control_plane, eventually};
 
 fn creg(name: &str, project: &str, session: &str, surface: AgentSurface) -> ControllerRegistration {
     ControllerRegistration::new(
         name,
-        ControllerRegistrationSpec {
-            project_id: project.into(),
-            session_id: session.into(),
-            agent_surface: surface,
-        },
+        ControllerRegistrationSpec { project_id: project.into(), session_id: session.into(), agent_surface: surface },
     )
 }
 
@@ -71,62 +65,26 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
     let pp = PostParams::default();
 
     // (1) Fresh start: the first registration is master in term 1.
-    api.create(
-        &pp,
-        &creg("code-a", "PID-PGR01", "s-a", AgentSurface::ClaudeCode),
-    )
-    .await
-    .expect("create");
+    api.create(&pp, &creg("code-a", "PID-PGR01", "s-a", AgentSurface::ClaudeCode)).await.expect("create");
     let a = wait_status(&api, "code-a", "code-a master", |s| s.role == Role::Master).await;
     let st = a.status.clone().expect("status");
     assert!(st.is_master);
     assert_eq!(st.term, Some(1));
     assert_eq!(st.master.as_ref().map(|m| m.name.as_str()), Some("code-a"));
-    assert_eq!(
-        a.labels()
-            .get("prism.ntecdev.ai/project")
-            .map(String::as_str),
-        Some("PID-PGR01")
-    );
-    assert!(
-        a.finalizers()
-            .iter()
-            .any(|f| f == "prism.ntecdev.ai/release")
-    );
+    assert_eq!(a.labels().get("prism.ntecdev.ai/project").map(String::as_str), Some("PID-PGR01"));
+    assert!(a.finalizers().iter().any(|f| f == "prism.ntecdev.ai/release"));
 
     // (2) A second non-desktop session is a peer.
-    api.create(
-        &pp,
-        &creg("codex-b", "PID-PGR01", "s-b", AgentSurface::Codex),
-    )
-    .await
-    .expect("create");
+    api.create(&pp, &creg("codex-b", "PID-PGR01", "s-b", AgentSurface::Codex)).await.expect("create");
     let b = wait_status(&api, "codex-b", "codex-b peer", |s| s.role == Role::Peer).await;
-    assert_eq!(
-        b.status.and_then(|s| s.master).map(|m| m.name),
-        Some("code-a".into())
-    );
+    assert_eq!(b.status.and_then(|s| s.master).map(|m| m.name), Some("code-a".into()));
 
     // (3) A desktop preempts the non-desktop master; the old master shows it.
-    api.create(
-        &pp,
-        &creg("desk-c", "PID-PGR01", "s-c", AgentSurface::ClaudeDesktop),
-    )
-    .await
-    .expect("create");
-    wait_status(&api, "desk-c", "desktop master", |s| {
-        s.role == Role::Master && s.term == Some(2)
-    })
-    .await;
-    let a = wait_status(&api, "code-a", "code-a preempted", |s| {
-        s.role == Role::Peer && s.preempted
-    })
-    .await;
+    api.create(&pp, &creg("desk-c", "PID-PGR01", "s-c", AgentSurface::ClaudeDesktop)).await.expect("create");
+    wait_status(&api, "desk-c", "desktop master", |s| s.role == Role::Master && s.term == Some(2)).await;
+    let a = wait_status(&api, "code-a", "code-a preempted", |s| s.role == Role::Peer && s.preempted).await;
     let st = a.status.expect("status");
-    assert_eq!(
-        st.preempted_by.as_ref().map(|p| p.name.as_str()),
-        Some("desk-c")
-    );
+    assert_eq!(st.preempted_by.as_ref().map(|p| p.name.as_str()), Some("desk-c"));
     assert_eq!(st.master.as_ref().map(|m| m.name.as_str()), Some("desk-c"));
     wait_status(&api, "codex-b", "peer sees new master", |s| {
         s.master.as_ref().map(|m| m.name.as_str()) == Some("desk-c")
@@ -142,68 +100,34 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
 
     // (4) The master wraps (resource deleted): released as wrapped, the best peer (the
     // earliest non-desktop, code-a) is promoted in term 3.
-    api.delete("desk-c", &DeleteParams::default())
-        .await
-        .expect("delete");
-    eventually(10, "desk-c gone", || async {
-        api.get_opt("desk-c")
-            .await
-            .ok()
-            .flatten()
-            .is_none()
-            .then_some(())
-    })
-    .await;
-    let reason: Option<String> =
-        sqlx::query_scalar("SELECT release_reason FROM controller_registrations WHERE namespace = $1 AND name = 'desk-c'")
-            .bind(&ns)
-            .fetch_one(&db.pool)
-            .await
-            .expect("row kept");
+    api.delete("desk-c", &DeleteParams::default()).await.expect("delete");
+    eventually(10, "desk-c gone", || async { api.get_opt("desk-c").await.ok().flatten().is_none().then_some(()) })
+        .await;
+    let reason: Option<String> = sqlx::query_scalar(
+        "SELECT release_reason FROM controller_registrations WHERE namespace = $1 AND name = 'desk-c'",
+    )
+    .bind(&ns)
+    .fetch_one(&db.pool)
+    .await
+    .expect("row kept");
     assert_eq!(reason.as_deref(), Some("wrapped"));
-    let a = wait_status(&api, "code-a", "code-a promoted", |s| {
-        s.role == Role::Master
-    })
-    .await;
+    let a = wait_status(&api, "code-a", "code-a promoted", |s| s.role == Role::Master).await;
     assert_eq!(a.status.and_then(|s| s.term), Some(3));
-    wait_status(&api, "codex-b", "peer sees code-a", |s| {
-        s.master.as_ref().map(|m| m.name.as_str()) == Some("code-a")
-    })
-    .await;
+    wait_status(&api, "codex-b", "peer sees code-a", |s| s.master.as_ref().map(|m| m.name.as_str()) == Some("code-a"))
+        .await;
     eventually(10, "Promoted event", || async {
-        events_for(&client, &ns, "code-a")
-            .await
-            .iter()
-            .any(|r| r == "Promoted")
-            .then_some(())
+        events_for(&client, &ns, "code-a").await.iter().any(|r| r == "Promoted").then_some(())
     })
     .await;
 
     // With no peers left, the next registration masters.
     for name in ["code-a", "codex-b"] {
-        api.delete(name, &DeleteParams::default())
-            .await
-            .expect("delete");
+        api.delete(name, &DeleteParams::default()).await.expect("delete");
     }
-    eventually(10, "all gone", || async {
-        api.list(&Default::default())
-            .await
-            .ok()?
-            .items
-            .is_empty()
-            .then_some(())
-    })
-    .await;
-    api.create(
-        &pp,
-        &creg("cursor-d", "PID-PGR01", "s-d", AgentSurface::Cursor),
-    )
-    .await
-    .expect("create");
-    let d = wait_status(&api, "cursor-d", "cursor-d master", |s| {
-        s.role == Role::Master
-    })
-    .await;
+    eventually(10, "all gone", || async { api.list(&Default::default()).await.ok()?.items.is_empty().then_some(()) })
+        .await;
+    api.create(&pp, &creg("cursor-d", "PID-PGR01", "s-d", AgentSurface::Cursor)).await.expect("create");
+    let d = wait_status(&api, "cursor-d", "cursor-d master", |s| s.role == Role::Master).await;
     // Terms never go back: 1 code-a, 2 desk-c, 3 code-a again, maybe 4 codex-b, then this.
     assert!(d.status.and_then(|s| s.term).is_some_and(|t| t >= 4));
 }
@@ -234,53 +158,32 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     assert_eq!(first["registration"]["role"], "Master");
     assert_eq!(first["term"], 1);
     let again = register("PID-A", "sess-1", "claude_code").await;
-    assert_eq!(
-        again["registration"]["id"], first["registration"]["id"],
-        "registering again is idempotent"
-    );
+    assert_eq!(again["registration"]["id"], first["registration"]["id"], "registering again is idempotent");
     let second = register("PID-A", "sess-2", "cursor").await;
     assert_eq!(second["registration"]["role"], "Peer");
     assert_eq!(second["routing"]["master"]["session_id"], "sess-1");
-    let old_name = first["registration"]["name"]
-        .as_str()
-        .expect("name")
-        .to_string();
+    let old_name = first["registration"]["name"].as_str().expect("name").to_string();
 
     // (5) sess-1 starts on PID-B: leaves PID-A (context_switch, nudge), sess-2 promoted.
     let moved = register("PID-B", "sess-1", "claude_code").await;
     assert_eq!(moved["project_id"], "PID-B");
     assert_eq!(moved["is_master"], true);
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    let old = wait_status(&api, &old_name, "old registration released", |s| {
-        s.role == Role::Released
-    })
-    .await;
-    assert_eq!(
-        old.status.and_then(|s| s.release_reason),
-        Some(ReleaseReason::ContextSwitch)
-    );
-    let nudge: (String, Value) = sqlx::query_as(
-        "SELECT kind, payload FROM nudges WHERE namespace = $1 AND session_id = 'sess-1'",
-    )
-    .bind(&ns)
-    .fetch_one(&db.pool)
-    .await
-    .expect("wrap_session nudge written");
+    let old = wait_status(&api, &old_name, "old registration released", |s| s.role == Role::Released).await;
+    assert_eq!(old.status.and_then(|s| s.release_reason), Some(ReleaseReason::ContextSwitch));
+    let nudge: (String, Value) =
+        sqlx::query_as("SELECT kind, payload FROM nudges WHERE namespace = $1 AND session_id = 'sess-1'")
+            .bind(&ns)
+            .fetch_one(&db.pool)
+            .await
+            .expect("wrap_session nudge written");
     assert_eq!(nudge.0, "wrap_session");
-    let second_name = second["registration"]["name"]
-        .as_str()
-        .expect("name")
-        .to_string();
-    wait_status(&api, &second_name, "sess-2 promoted", |s| {
-        s.role == Role::Master && s.term == Some(2)
-    })
-    .await;
+    let second_name = second["registration"]["name"].as_str().expect("name").to_string();
+    wait_status(&api, &second_name, "sess-2 promoted", |s| s.role == Role::Master && s.term == Some(2)).await;
 
     // (6) The routing table over HTTP agrees with kubectl.
     let table: Value = http
-        .get(op.url(&format!(
-            "/api/v1/controller/PID-A/status?namespace={ns}&session_id=sess-2"
-        )))
+        .get(op.url(&format!("/api/v1/controller/PID-A/status?namespace={ns}&session_id=sess-2")))
         .bearer_auth(&token)
         .send()
         .await
@@ -293,15 +196,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     assert_eq!(table["master"]["name"], second_name.as_str());
     assert_eq!(table["caller"]["session_id"], "sess-2");
     assert_eq!(table["peers"].as_array().map(Vec::len), Some(0));
-    let out = cp.kubectl_ok(&[
-        "get",
-        "creg",
-        "-n",
-        &ns,
-        "--field-selector",
-        "spec.projectId=PID-A",
-        "--no-headers",
-    ]);
+    let out = cp.kubectl_ok(&["get", "creg", "-n", &ns, "--field-selector", "spec.projectId=PID-A", "--no-headers"]);
     let roles: BTreeMap<String, String> = out
         .lines()
         .map(|l| {
@@ -309,16 +204,8 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
             (cols[0].to_string(), cols[3].to_string())
         })
         .collect();
-    assert_eq!(
-        roles.get(&second_name).map(String::as_str),
-        Some("Master"),
-        "{out}"
-    );
-    assert_eq!(
-        roles.get(&old_name).map(String::as_str),
-        Some("Released"),
-        "{out}"
-    );
+    assert_eq!(roles.get(&second_name).map(String::as_str), Some("Master"), "{out}");
+    assert_eq!(roles.get(&old_name).map(String::as_str), Some("Released"), "{out}");
 
     // ... and so does `prism-operator status`, which reads the resources' status.
     let cli = |format: &str| {
@@ -327,11 +214,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
             .env("KUBECONFIG", &cp.kubeconfig)
             .output()
             .expect("status runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).expect("utf-8")
     };
     let from_cli: Value = serde_json::from_str(&cli("json")).expect("json");
@@ -341,15 +224,9 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     assert_eq!(from_cli["master"]["name"], table["master"]["name"]);
     assert_eq!(from_cli["master"]["id"], table["master"]["id"]);
     let text = cli("table");
+    assert!(text.starts_with(&format!("project PID-A in namespace {ns}: term 2, master {second_name}")), "{text}");
     assert!(
-        text.starts_with(&format!(
-            "project PID-A in namespace {ns}: term 2, master {second_name}"
-        )),
-        "{text}"
-    );
-    assert!(
-        text.lines()
-            .any(|l| l.starts_with(&second_name) && l.contains("Master") && l.contains("cursor")),
+        text.lines().any(|l| l.starts_with(&second_name) && l.contains("Master") && l.contains("cursor")),
         "{text}"
     );
 
@@ -364,10 +241,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
         .json()
         .await
         .expect("json");
-    assert_eq!(
-        hb,
-        json!({"role": "Master", "is_master": true, "you_were_preempted": false, "term": 2})
-    );
+    assert_eq!(hb, json!({"role": "Master", "is_master": true, "you_were_preempted": false, "term": 2}));
     let fence = |term: i64| {
         http.post(op.url("/api/v1/controller/fence"))
             .bearer_auth(&token)
@@ -377,10 +251,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     assert_eq!(fence(2).await.expect("fence").status(), 200);
     let stale = fence(1).await.expect("fence");
     assert_eq!(stale.status(), 409);
-    assert_eq!(
-        stale.json::<Value>().await.expect("json")["error"]["code"],
-        "stale_term"
-    );
+    assert_eq!(stale.json::<Value>().await.expect("json")["error"]["code"], "stale_term");
 
     // Release over HTTP: wrap + delete; PID-A is left without a master.
     let id = second["registration"]["id"].as_str().expect("id");
@@ -394,12 +265,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     let table: Value = r.json().await.expect("json");
     assert!(table["master"].is_null(), "{table}");
     eventually(10, "resource deleted", || async {
-        api.get_opt(&second_name)
-            .await
-            .ok()
-            .flatten()
-            .is_none()
-            .then_some(())
+        api.get_opt(&second_name).await.ok().flatten().is_none().then_some(())
     })
     .await;
 }
@@ -414,26 +280,13 @@ async fn scenario_7_stale_registrations_are_swept_and_succeeded() {
         cp,
         &db.url,
         &ns,
-        &[
-            ("PRISM_SWEEP_INTERVAL_SECONDS", "1"),
-            ("PRISM_CONTROLLER_PEER_STALE_MINUTES", "5"),
-        ],
+        &[("PRISM_SWEEP_INTERVAL_SECONDS", "1"), ("PRISM_CONTROLLER_PEER_STALE_MINUTES", "5")],
     )
     .await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    api.create(
-        &PostParams::default(),
-        &creg("m", "P", "s-m", AgentSurface::Codex),
-    )
-    .await
-    .expect("create");
+    api.create(&PostParams::default(), &creg("m", "P", "s-m", AgentSurface::Codex)).await.expect("create");
     wait_status(&api, "m", "m master", |s| s.role == Role::Master).await;
-    api.create(
-        &PostParams::default(),
-        &creg("p", "P", "s-p", AgentSurface::Other),
-    )
-    .await
-    .expect("create");
+    api.create(&PostParams::default(), &creg("p", "P", "s-p", AgentSurface::Other)).await.expect("create");
     wait_status(&api, "p", "p peer", |s| s.role == Role::Peer).await;
 
     sqlx::query("UPDATE controller_registrations SET last_heartbeat = now() - interval '6 minutes' WHERE namespace = $1 AND name = 'm'")
@@ -443,29 +296,21 @@ async fn scenario_7_stale_registrations_are_swept_and_succeeded() {
         .expect("backdate");
     let m = wait_status(&api, "m", "m swept", |s| s.role == Role::Released).await;
     let st = m.status.expect("status");
-    assert_eq!(
-        st.release_reason,
-        Some(ReleaseReason::StaleHeartbeatIncident)
-    );
-    assert!(
-        st.conditions
-            .iter()
-            .any(|c| c.type_ == "Stale" && c.status == "True")
-    );
+    assert_eq!(st.release_reason, Some(ReleaseReason::StaleHeartbeatIncident));
+    assert!(st.conditions.iter().any(|c| c.type_ == "Stale" && c.status == "True"));
     let p = wait_status(&api, "p", "p promoted", |s| s.role == Role::Master).await;
     assert_eq!(p.status.and_then(|s| s.term), Some(2));
-    let cause: String = sqlx::query_scalar("SELECT cause FROM controller_election_events WHERE namespace = $1 ORDER BY id DESC LIMIT 1")
-        .bind(&ns)
-        .fetch_one(&db.pool)
-        .await
-        .expect("event");
+    let cause: String = sqlx::query_scalar(
+        "SELECT cause FROM controller_election_events WHERE namespace = $1 ORDER BY id DESC LIMIT 1",
+    )
+    .bind(&ns)
+    .fetch_one(&db.pool)
+    .await
+    .expect("event");
     assert_eq!(cause, "stale_heartbeat_incident");
     // A fresh heartbeat keeps a registration: p stays.
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    assert_eq!(
-        api.get("p").await.expect("get").status.map(|s| s.role),
-        Some(Role::Master)
-    );
+    assert_eq!(api.get("p").await.expect("get").status.map(|s| s.role), Some(Role::Master));
 }
 
 #[tokio::test]
@@ -480,23 +325,16 @@ async fn fifty_concurrent_registrations_elect_exactly_one_master() {
         let api = api.clone();
         let surface = AgentSurface::ALL[i % 5];
         async move {
-            api.create(
-                &PostParams::default(),
-                &creg(&format!("r{i}"), "CROWD", &format!("s{i}"), surface),
-            )
-            .await
-            .expect("create")
+            api.create(&PostParams::default(), &creg(&format!("r{i}"), "CROWD", &format!("s{i}"), surface))
+                .await
+                .expect("create")
         }
     });
     futures::future::join_all(creates).await;
     let statuses = eventually(30, "all 50 have a role", || async {
         let list = api.list(&Default::default()).await.ok()?;
-        let st: Vec<_> = list
-            .items
-            .iter()
-            .filter_map(|r| r.status.clone())
-            .filter(|s| s.role != Role::Pending)
-            .collect();
+        let st: Vec<_> =
+            list.items.iter().filter_map(|r| r.status.clone()).filter(|s| s.role != Role::Pending).collect();
         (st.len() == 50).then_some(list)
     })
     .await;
@@ -504,25 +342,14 @@ async fn fifty_concurrent_registrations_elect_exactly_one_master() {
     // Statuses settle on the same single master.
     let master = eventually(15, "statuses agree", || async {
         let list = api.list(&Default::default()).await.ok()?;
-        let masters: Vec<_> = list
-            .items
-            .iter()
-            .filter(|r| r.status.as_ref().is_some_and(|s| s.role == Role::Master))
-            .collect();
-        let named: std::collections::BTreeSet<_> = list
-            .items
-            .iter()
-            .filter_map(|r| r.status.as_ref()?.master.as_ref().map(|m| m.name.clone()))
-            .collect();
-        (masters.len() == 1 && named.len() == 1 && named.contains(&masters[0].name_any()))
-            .then(|| masters[0].clone())
+        let masters: Vec<_> =
+            list.items.iter().filter(|r| r.status.as_ref().is_some_and(|s| s.role == Role::Master)).collect();
+        let named: std::collections::BTreeSet<_> =
+            list.items.iter().filter_map(|r| r.status.as_ref()?.master.as_ref().map(|m| m.name.clone())).collect();
+        (masters.len() == 1 && named.len() == 1 && named.contains(&masters[0].name_any())).then(|| masters[0].clone())
     })
     .await;
-    assert_eq!(
-        master.spec.agent_surface,
-        AgentSurface::ClaudeDesktop,
-        "a desktop wins"
-    );
+    assert_eq!(master.spec.agent_surface, AgentSurface::ClaudeDesktop, "a desktop wins");
     assert_eq!(statuses.items.len(), 50);
 }
 
@@ -535,8 +362,7 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let reader = support::agent_token(cp, &ns, "reader", &["get", "list"]);
     let http = reqwest::Client::new();
-    let body =
-        json!({"namespace": ns, "project_id": "P", "session_id": "s", "agent_surface": "codex"});
+    let body = json!({"namespace": ns, "project_id": "P", "session_id": "s", "agent_surface": "codex"});
     let post = |token: Option<&str>, body: &Value| {
         let mut req = http.post(op.url("/api/v1/controller/register")).json(body);
         if let Some(t) = token {
@@ -551,10 +377,7 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
     ] {
         let r = post(token, &body).await.expect("request");
         assert_eq!(r.status(), status);
-        assert_eq!(
-            r.json::<Value>().await.expect("json")["error"]["code"],
-            code
-        );
+        assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], code);
     }
     // Bad input is a 4xx with a code, even for an authorized caller.
     let writer = support::agent_token(cp, &ns, "writer", &["create"]);
@@ -577,10 +400,7 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
     ] {
         let r = post(Some(&writer), &bad).await.expect("request");
         assert_eq!(r.status(), status);
-        assert_eq!(
-            r.json::<Value>().await.expect("json")["error"]["code"],
-            code
-        );
+        assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], code);
     }
     let r = http
         .post(op.url("/api/v1/controller/register"))
@@ -591,37 +411,21 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
         .await
         .expect("request");
     assert_eq!(r.status(), 400);
-    assert_eq!(
-        r.json::<Value>().await.expect("json")["error"]["code"],
-        "malformed_json"
-    );
+    assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], "malformed_json");
     let r = http
         .post(op.url("/api/v1/controller/register"))
         .bearer_auth(&writer)
         .header("content-type", "application/json")
-        .body(format!(
-            "{{\"namespace\":\"{}\",\"pad\":\"{}\"}}",
-            ns,
-            "x".repeat(100_000)
-        ))
+        .body(format!("{{\"namespace\":\"{}\",\"pad\":\"{}\"}}", ns, "x".repeat(100_000)))
         .send()
         .await
         .expect("request");
     assert_eq!(r.status(), 413);
 
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    assert!(
-        api.list(&Default::default())
-            .await
-            .expect("list")
-            .items
-            .is_empty(),
-        "nothing was created"
-    );
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM controller_registrations")
-        .fetch_one(&db.pool)
-        .await
-        .expect("count");
+    assert!(api.list(&Default::default()).await.expect("list").items.is_empty(), "nothing was created");
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM controller_registrations").fetch_one(&db.pool).await.expect("count");
     assert_eq!(rows, 0, "nothing was written");
 }
 
@@ -631,21 +435,13 @@ async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "pgrestart").await;
     let pg = support::PrivatePostgres::start();
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&pg.url)
-        .await
-        .expect("connect");
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url).await.expect("connect");
     let op = Operator::start(cp, &pg.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
     let pp = PostParams::default();
-    api.create(&pp, &creg("m", "P", "s-m", AgentSurface::Codex))
-        .await
-        .expect("create");
+    api.create(&pp, &creg("m", "P", "s-m", AgentSurface::Codex)).await.expect("create");
     wait_status(&api, "m", "m master", |s| s.role == Role::Master).await;
-    api.create(&pp, &creg("p", "P", "s-p", AgentSurface::Cursor))
-        .await
-        .expect("create");
+    api.create(&pp, &creg("p", "P", "s-p", AgentSurface::Cursor)).await.expect("create");
     wait_status(&api, "p", "p peer", |s| s.role == Role::Peer).await;
 
     pool.close().await;
@@ -658,35 +454,21 @@ async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
         (r.status() == 503).then_some(())
     })
     .await;
-    api.delete("m", &DeleteParams::default())
-        .await
-        .expect("delete accepted");
-    api.create(&pp, &creg("d", "P", "s-d", AgentSurface::ClaudeDesktop))
-        .await
-        .expect("create while down");
+    api.delete("m", &DeleteParams::default()).await.expect("delete accepted");
+    api.create(&pp, &creg("d", "P", "s-d", AgentSurface::ClaudeDesktop)).await.expect("create while down");
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    assert!(
-        api.get_opt("m").await.expect("get").is_some(),
-        "m must wait for the database"
-    );
+    assert!(api.get_opt("m").await.expect("get").is_some(), "m must wait for the database");
 
     pg.ctl("start");
     // Converges: m released and gone; the desktop masters; p is its peer.
-    eventually(30, "m released and deleted", || async {
-        api.get_opt("m").await.ok()?.is_none().then_some(())
-    })
-    .await;
+    eventually(30, "m released and deleted", || async { api.get_opt("m").await.ok()?.is_none().then_some(()) }).await;
     let d = wait_status(&api, "d", "desktop master", |s| s.role == Role::Master).await;
     assert!(d.status.and_then(|s| s.term).is_some_and(|t| t >= 2));
     wait_status(&api, "p", "p peer of d", |s| {
         s.role == Role::Peer && s.master.as_ref().map(|m| m.name.as_str()) == Some("d")
     })
     .await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&pg.url)
-        .await
-        .expect("reconnect");
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&pg.url).await.expect("reconnect");
     let masters: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND is_master AND released_at IS NULL",
     )

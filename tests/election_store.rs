@@ -14,13 +14,7 @@ use prometheus_client::metrics::counter::Counter;
 use support::TestDb;
 use uuid::Uuid;
 
-fn reg(
-    ns: &str,
-    name: &str,
-    project: &str,
-    session: &str,
-    surface: AgentSurface,
-) -> NewRegistration {
+fn reg(ns: &str, name: &str, project: &str, session: &str, surface: AgentSurface) -> NewRegistration {
     NewRegistration {
         id: Uuid::new_v4(),
         namespace: ns.into(),
@@ -36,10 +30,7 @@ fn reg(
 struct Logs(Arc<Mutex<Vec<u8>>>);
 impl Write for Logs {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .map_err(|_| std::io::ErrorKind::Other)?
-            .extend_from_slice(buf);
+        self.0.lock().map_err(|_| std::io::ErrorKind::Other)?.extend_from_slice(buf);
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -56,54 +47,29 @@ impl Logs {
 async fn context_switch_commits_its_release_even_without_the_nudges_table() {
     let logs = Logs::default();
     let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let db = TestDb::new().await;
-    sqlx::query("DROP TABLE nudges")
-        .execute(&db.pool)
-        .await
-        .expect("drop nudges");
+    sqlx::query("DROP TABLE nudges").execute(&db.pool).await.expect("drop nudges");
     let store = ElectionStore::new(db.pool.clone());
     let a = reg("ns", "on-a", "A", "sess", AgentSurface::Codex);
     store.register(&a).await.expect("register on A");
     let b = reg("ns", "on-b", "B", "sess", AgentSurface::Codex);
-    let (outcome, touched) = store
-        .register(&b)
-        .await
-        .expect("register on B despite the missing table");
-    assert!(
-        matches!(outcome, RegisterOutcome::Registered(ref r) if r.is_master && r.project_id == "B")
-    );
-    assert!(
-        touched.iter().any(|t| t.name == "on-a"),
-        "the old registration's status must be refreshed"
-    );
+    let (outcome, touched) = store.register(&b).await.expect("register on B despite the missing table");
+    assert!(matches!(outcome, RegisterOutcome::Registered(ref r) if r.is_master && r.project_id == "B"));
+    assert!(touched.iter().any(|t| t.name == "on-a"), "the old registration's status must be refreshed");
     let old = store.get(a.id).await.expect("get").expect("row");
     assert_eq!(old.release_reason.as_deref(), Some("context_switch"));
-    assert!(
-        logs.text()
-            .contains("could not write the wrap_session nudge"),
-        "warning logged: {}",
-        logs.text()
-    );
+    assert!(logs.text().contains("could not write the wrap_session nudge"), "warning logged: {}", logs.text());
 }
 
 #[tokio::test]
 async fn context_switch_writes_a_wrap_session_nudge() {
     let db = TestDb::new().await;
     let store = ElectionStore::new(db.pool.clone());
-    store
-        .register(&reg("ns", "on-a", "A", "sess", AgentSurface::Cursor))
-        .await
-        .expect("A");
-    store
-        .register(&reg("ns", "on-b", "B", "sess", AgentSurface::Cursor))
-        .await
-        .expect("B");
+    store.register(&reg("ns", "on-a", "A", "sess", AgentSurface::Cursor)).await.expect("A");
+    store.register(&reg("ns", "on-b", "B", "sess", AgentSurface::Cursor)).await.expect("B");
     let (kind, project): (String, String) =
         sqlx::query_as("SELECT kind, project_id FROM nudges WHERE session_id = 'sess'")
             .fetch_one(&db.pool)
@@ -118,28 +84,18 @@ async fn one_session_racing_onto_two_projects_ends_live_on_one() {
     let store = ElectionStore::new(db.pool.clone());
     for round in 0..10 {
         let session = format!("s{round}");
-        let x = reg(
-            "ns",
-            &format!("x{round}"),
-            "X",
-            &session,
-            AgentSurface::ClaudeCode,
-        );
-        let y = reg(
-            "ns",
-            &format!("y{round}"),
-            "Y",
-            &session,
-            AgentSurface::ClaudeCode,
-        );
+        let x = reg("ns", &format!("x{round}"), "X", &session, AgentSurface::ClaudeCode);
+        let y = reg("ns", &format!("y{round}"), "Y", &session, AgentSurface::ClaudeCode);
         let (rx, ry) = tokio::join!(store.register(&x), store.register(&y));
         rx.expect("no error surfaces from a race");
         ry.expect("no error surfaces from a race");
-        let live: i64 = sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE session_id = $1 AND released_at IS NULL")
-            .bind(&session)
-            .fetch_one(&db.pool)
-            .await
-            .expect("count");
+        let live: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM controller_registrations WHERE session_id = $1 AND released_at IS NULL",
+        )
+        .bind(&session)
+        .fetch_one(&db.pool)
+        .await
+        .expect("count");
         assert_eq!(live, 1, "round {round}");
     }
     for project in ["X", "Y"] {
@@ -150,16 +106,14 @@ async fn one_session_racing_onto_two_projects_ends_live_on_one() {
         .fetch_one(&db.pool)
         .await
         .expect("count");
-        let live: i64 = sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE project_id = $1 AND released_at IS NULL")
-            .bind(project)
-            .fetch_one(&db.pool)
-            .await
-            .expect("count");
-        assert_eq!(
-            masters,
-            i64::from(live > 0),
-            "project {project}: one master iff anyone is live"
-        );
+        let live: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM controller_registrations WHERE project_id = $1 AND released_at IS NULL",
+        )
+        .bind(project)
+        .fetch_one(&db.pool)
+        .await
+        .expect("count");
+        assert_eq!(masters, i64::from(live > 0), "project {project}: one master iff anyone is live");
     }
 }
 
@@ -169,27 +123,15 @@ async fn a_thousand_heartbeats_become_a_handful_of_updates() {
     let store = ElectionStore::new(db.pool.clone());
     for i in 0..10 {
         store
-            .register(&reg(
-                "ns",
-                &format!("r{i}"),
-                "P",
-                &format!("s{i}"),
-                AgentSurface::Other,
-            ))
+            .register(&reg("ns", &format!("r{i}"), "P", &format!("s{i}"), AgentSurface::Other))
             .await
             .expect("register");
     }
-    sqlx::query(
-        "UPDATE controller_registrations SET last_heartbeat = now() - interval '5 minutes'",
-    )
-    .execute(&db.pool)
-    .await
-    .expect("age");
-    let coalescer = HeartbeatCoalescer::spawn(
-        store.clone(),
-        Duration::from_millis(200),
-        Counter::default(),
-    );
+    sqlx::query("UPDATE controller_registrations SET last_heartbeat = now() - interval '5 minutes'")
+        .execute(&db.pool)
+        .await
+        .expect("age");
+    let coalescer = HeartbeatCoalescer::spawn(store.clone(), Duration::from_millis(200), Counter::default());
     for round in 0..100 {
         for i in 0..10 {
             coalescer.beat("ns", &format!("s{i}"));
@@ -201,13 +143,12 @@ async fn a_thousand_heartbeats_become_a_handful_of_updates() {
     tokio::time::sleep(Duration::from_millis(450)).await;
     coalescer.flush(&store).await;
     let writes = coalescer.writes();
-    assert!(
-        (1..=4).contains(&writes),
-        "1000 heartbeats over ~0.2 s should be 1-4 UPDATEs, were {writes}"
-    );
-    let fresh: i64 = sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE last_heartbeat > now() - interval '10 seconds'")
-        .fetch_one(&db.pool)
-        .await
-        .expect("count");
+    assert!((1..=4).contains(&writes), "1000 heartbeats over ~0.2 s should be 1-4 UPDATEs, were {writes}");
+    let fresh: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM controller_registrations WHERE last_heartbeat > now() - interval '10 seconds'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("count");
     assert_eq!(fresh, 10, "every session's heartbeat was written");
 }

@@ -53,17 +53,10 @@ async fn check_constraint_rejects_an_unknown_surface() {
     let db = TestDb::new().await;
     project(&db.pool, "ns", "P").await;
     for surface in ["claude_desktop", "claude_code", "codex", "cursor", "other"] {
-        register(&db.pool, "ns", "P", &format!("s-{surface}"), surface, false)
-            .await
-            .expect("known surface accepted");
+        register(&db.pool, "ns", "P", &format!("s-{surface}"), surface, false).await.expect("known surface accepted");
     }
-    let e = register(&db.pool, "ns", "P", "s-x", "emacs", false)
-        .await
-        .expect_err("emacs rejected");
-    assert_eq!(
-        violated_constraint(e),
-        "controller_registrations_agent_surface_check"
-    );
+    let e = register(&db.pool, "ns", "P", "s-x", "emacs", false).await.expect_err("emacs rejected");
+    assert_eq!(violated_constraint(e), "controller_registrations_agent_surface_check");
 }
 
 #[tokio::test]
@@ -71,57 +64,41 @@ async fn two_live_masters_on_one_project_are_impossible() {
     let db = TestDb::new().await;
     project(&db.pool, "ns", "P").await;
     project(&db.pool, "other-ns", "P").await;
-    let first = register(&db.pool, "ns", "P", "s-1", "codex", true)
-        .await
-        .expect("first master");
-    let e = register(&db.pool, "ns", "P", "s-2", "claude_desktop", true)
-        .await
-        .expect_err("second master rejected");
-    assert_eq!(
-        violated_constraint(e),
-        "controller_registrations_one_master"
-    );
+    let first = register(&db.pool, "ns", "P", "s-1", "codex", true).await.expect("first master");
+    let e = register(&db.pool, "ns", "P", "s-2", "claude_desktop", true).await.expect_err("second master rejected");
+    assert_eq!(violated_constraint(e), "controller_registrations_one_master");
 
     // Promoting a peer while a master lives fails too.
-    let peer = register(&db.pool, "ns", "P", "s-3", "cursor", false)
-        .await
-        .expect("peer");
-    let e = sqlx::query(
-        "UPDATE controller_registrations SET is_master = TRUE, master_term = 2 WHERE id = $1",
-    )
-    .bind(peer)
-    .execute(&db.pool)
-    .await
-    .expect_err("promotion beside a live master rejected");
-    assert_eq!(
-        violated_constraint(e),
-        "controller_registrations_one_master"
-    );
-
-    // The same project id in another namespace is another project.
-    register(&db.pool, "other-ns", "P", "s-4", "codex", true)
-        .await
-        .expect("master in another namespace");
-
-    // Once the master is released, a successor can be master; a released row is never master.
-    let e = sqlx::query("UPDATE controller_registrations SET released_at = now(), release_reason = 'wrapped' WHERE id = $1")
-        .bind(first)
+    let peer = register(&db.pool, "ns", "P", "s-3", "cursor", false).await.expect("peer");
+    let e = sqlx::query("UPDATE controller_registrations SET is_master = TRUE, master_term = 2 WHERE id = $1")
+        .bind(peer)
         .execute(&db.pool)
         .await
-        .expect_err("a released row cannot stay master");
+        .expect_err("promotion beside a live master rejected");
+    assert_eq!(violated_constraint(e), "controller_registrations_one_master");
+
+    // The same project id in another namespace is another project.
+    register(&db.pool, "other-ns", "P", "s-4", "codex", true).await.expect("master in another namespace");
+
+    // Once the master is released, a successor can be master; a released row is never master.
+    let e = sqlx::query(
+        "UPDATE controller_registrations SET released_at = now(), release_reason = 'wrapped' WHERE id = $1",
+    )
+    .bind(first)
+    .execute(&db.pool)
+    .await
+    .expect_err("a released row cannot stay master");
     assert_eq!(violated_constraint(e), "released_is_not_master");
     sqlx::query("UPDATE controller_registrations SET is_master = FALSE, released_at = now(), release_reason = 'wrapped' WHERE id = $1")
         .bind(first)
         .execute(&db.pool)
         .await
         .expect("release");
-    sqlx::query(
-        "UPDATE controller_registrations SET is_master = TRUE, master_term = 2 WHERE id = $1",
-    )
-    .bind(peer)
-    .execute(&db.pool)
-    .await
-    .expect("promotion after release");
+    sqlx::query("UPDATE controller_registrations SET is_master = TRUE, master_term = 2 WHERE id = $1")
+        .bind(peer)
+        .execute(&db.pool)
+        .await
+        .expect("promotion after release");
     let masters: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM controller_registrations WHERE namespace = 'ns' AND project_id = 'P' AND is_master AND released_at IS NULL",
     )
@@ -136,48 +113,41 @@ async fn two_live_registrations_of_one_session_are_impossible() {
     let db = TestDb::new().await;
     project(&db.pool, "ns", "A").await;
     project(&db.pool, "ns", "B").await;
-    let a = register(&db.pool, "ns", "A", "s-1", "claude_code", false)
-        .await
-        .expect("live on A");
+    let a = register(&db.pool, "ns", "A", "s-1", "claude_code", false).await.expect("live on A");
     let e = register(&db.pool, "ns", "B", "s-1", "claude_code", false)
         .await
         .expect_err("second live registration rejected");
-    assert_eq!(
-        violated_constraint(e),
-        "controller_registrations_one_live_per_session"
-    );
+    assert_eq!(violated_constraint(e), "controller_registrations_one_live_per_session");
     // After leaving A (context switch), the session may register on B.
-    sqlx::query("UPDATE controller_registrations SET released_at = now(), release_reason = 'context_switch' WHERE id = $1")
-        .bind(a)
-        .execute(&db.pool)
-        .await
-        .expect("release A");
-    register(&db.pool, "ns", "B", "s-1", "claude_code", false)
-        .await
-        .expect("live on B after leaving A");
+    sqlx::query(
+        "UPDATE controller_registrations SET released_at = now(), release_reason = 'context_switch' WHERE id = $1",
+    )
+    .bind(a)
+    .execute(&db.pool)
+    .await
+    .expect("release A");
+    register(&db.pool, "ns", "B", "s-1", "claude_code", false).await.expect("live on B after leaving A");
 }
 
 #[tokio::test]
 async fn release_reasons_and_job_states_are_checked() {
     let db = TestDb::new().await;
     project(&db.pool, "ns", "P").await;
-    let id = register(&db.pool, "ns", "P", "s-1", "other", false)
-        .await
-        .expect("registered");
-    let e = sqlx::query("UPDATE controller_registrations SET released_at = now(), release_reason = 'bored' WHERE id = $1")
-        .bind(id)
-        .execute(&db.pool)
-        .await
-        .expect_err("unknown reason rejected");
-    assert_eq!(
-        violated_constraint(e),
-        "controller_registrations_release_reason_check"
-    );
+    let id = register(&db.pool, "ns", "P", "s-1", "other", false).await.expect("registered");
+    let e =
+        sqlx::query("UPDATE controller_registrations SET released_at = now(), release_reason = 'bored' WHERE id = $1")
+            .bind(id)
+            .execute(&db.pool)
+            .await
+            .expect_err("unknown reason rejected");
+    assert_eq!(violated_constraint(e), "controller_registrations_release_reason_check");
 
-    let e = sqlx::query("INSERT INTO runtime_jobs (server_instance_id, component_kind, kind) VALUES ('srv', 'run', 'reboot')")
-        .execute(&db.pool)
-        .await
-        .expect_err("unknown job kind rejected");
+    let e = sqlx::query(
+        "INSERT INTO runtime_jobs (server_instance_id, component_kind, kind) VALUES ('srv', 'run', 'reboot')",
+    )
+    .execute(&db.pool)
+    .await
+    .expect_err("unknown job kind rejected");
     assert_eq!(violated_constraint(e), "runtime_jobs_kind_check");
     let state: String = sqlx::query_scalar("INSERT INTO runtime_jobs (server_instance_id, component_kind, kind) VALUES ('srv', 'run', 'config') RETURNING state")
         .fetch_one(&db.pool)
@@ -189,31 +159,24 @@ async fn release_reasons_and_job_states_are_checked() {
 #[tokio::test]
 async fn election_history_is_append_only() {
     let db = TestDb::new().await;
-    sqlx::query("INSERT INTO controller_election_events (namespace, project_id, term, cause) VALUES ('ns', 'P', 1, 'elected')")
-        .execute(&db.pool)
-        .await
-        .expect("append");
-    let e = sqlx::query("DELETE FROM controller_election_events")
-        .execute(&db.pool)
-        .await
-        .expect_err("delete refused");
+    sqlx::query(
+        "INSERT INTO controller_election_events (namespace, project_id, term, cause) VALUES ('ns', 'P', 1, 'elected')",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("append");
+    let e = sqlx::query("DELETE FROM controller_election_events").execute(&db.pool).await.expect_err("delete refused");
     assert!(e.to_string().contains("append-only"), "{e}");
 }
 
 #[tokio::test]
 async fn migrating_twice_is_a_no_op() {
     let db = TestDb::new().await;
-    let before: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
-        .fetch_one(&db.pool)
-        .await
-        .expect("count");
-    prism_operator::db::migrate(&db.pool)
-        .await
-        .expect("second run succeeds");
-    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
-        .fetch_one(&db.pool)
-        .await
-        .expect("count");
+    let before: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&db.pool).await.expect("count");
+    prism_operator::db::migrate(&db.pool).await.expect("second run succeeds");
+    let after: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&db.pool).await.expect("count");
     assert_eq!(before, after);
     assert_eq!(after as usize, prism_operator::db::MIGRATOR.iter().count());
 }

@@ -11,9 +11,7 @@ use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
-use k8s_openapi::api::authorization::v1::{
-    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
-};
+use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
 use kube::api::PostParams;
 use kube::{Api, Client};
 use sha2::{Digest, Sha256};
@@ -35,8 +33,8 @@ pub struct Caller {
 
 /// A value with the time it was learned.
 type Cache<K, V> = Mutex<HashMap<K, (Instant, V)>>;
-/// (username, verb, resource, namespace)
-type Question = (String, String, String, String);
+/// (username, verb, resource, namespace, name)
+type Question = (String, String, String, String, String);
 
 pub struct Authorizer {
     client: Client,
@@ -44,14 +42,9 @@ pub struct Authorizer {
     decisions: Cache<Question, bool>,
 }
 
-fn cached<K: std::hash::Hash + Eq + Clone, V: Clone>(
-    map: &Mutex<HashMap<K, (Instant, V)>>,
-    key: &K,
-) -> Option<V> {
+fn cached<K: std::hash::Hash + Eq + Clone, V: Clone>(map: &Mutex<HashMap<K, (Instant, V)>>, key: &K) -> Option<V> {
     let map = map.lock().ok()?;
-    map.get(key)
-        .filter(|(at, _)| at.elapsed() < CACHE_TTL)
-        .map(|(_, v)| v.clone())
+    map.get(key).filter(|(at, _)| at.elapsed() < CACHE_TTL).map(|(_, v)| v.clone())
 }
 
 fn remember<K: std::hash::Hash + Eq, V>(map: &Mutex<HashMap<K, (Instant, V)>>, key: K, value: V) {
@@ -68,10 +61,7 @@ fn remember<K: std::hash::Hash + Eq, V>(map: &Mutex<HashMap<K, (Instant, V)>>, k
 
 /// The bearer token of a request, if it has one.
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {
-    let value = headers
-        .get(axum::http::header::AUTHORIZATION)?
-        .to_str()
-        .ok()?;
+    let value = headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     let token = token.trim();
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
@@ -79,39 +69,28 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 impl Authorizer {
     pub fn new(client: Client) -> Self {
-        Self {
-            client,
-            tokens: Mutex::default(),
-            decisions: Mutex::default(),
-        }
+        Self { client, tokens: Mutex::default(), decisions: Mutex::default() }
     }
 
     /// TokenReview: who is this? 401 `unauthenticated` without a token, 401
     /// `invalid_token` for one the API server does not accept.
     pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
-        let token = bearer(headers).ok_or_else(|| {
-            ApiError::unauthenticated("unauthenticated", "a Kubernetes bearer token is required")
-        })?;
+        let token = bearer(headers)
+            .ok_or_else(|| ApiError::unauthenticated("unauthenticated", "a Kubernetes bearer token is required"))?;
         let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let caller = match cached(&self.tokens, &key) {
             Some(c) => c,
             None => {
                 let review = TokenReview {
-                    spec: TokenReviewSpec {
-                        token: token.to_string(),
-                        audiences: None,
-                    },
+                    spec: TokenReviewSpec { token: token.to_string(), audiences: None },
                     ..Default::default()
                 };
                 let done = Api::<TokenReview>::all(self.client.clone())
                     .create(&PostParams::default(), &review)
                     .await
                     .map_err(|e| {
-                        ApiError::unavailable(
-                            "kubernetes_unavailable",
-                            format!("TokenReview failed: {e}"),
-                        )
-                    })?;
+                    ApiError::unavailable("kubernetes_unavailable", format!("TokenReview failed: {e}"))
+                })?;
                 let status = done.status.unwrap_or_default();
                 let caller = match (status.authenticated, status.user) {
                     (Some(true), Some(user)) => Some(Caller {
@@ -126,25 +105,30 @@ impl Authorizer {
                 caller
             }
         };
-        caller.ok_or_else(|| {
-            ApiError::unauthenticated("invalid_token", "the bearer token was not accepted")
-        })
+        caller.ok_or_else(|| ApiError::unauthenticated("invalid_token", "the bearer token was not accepted"))
     }
 
     /// SubjectAccessReview: may `caller` do `verb` on `resource` in `namespace`?
     /// 403 `forbidden` if not.
-    pub async fn authorize(
+    pub async fn authorize(&self, caller: &Caller, verb: &str, resource: &str, namespace: &str) -> Result<(), ApiError> {
+        self.authorize_named(caller, verb, resource, namespace, None).await
+    }
+
+    /// The same, for one named object.
+    pub async fn authorize_named(
         &self,
         caller: &Caller,
         verb: &str,
         resource: &str,
         namespace: &str,
+        name: Option<&str>,
     ) -> Result<(), ApiError> {
         let key = (
             caller.username.clone(),
             verb.to_string(),
             resource.to_string(),
             namespace.to_string(),
+            name.unwrap_or_default().to_string(),
         );
         let allowed = match cached(&self.decisions, &key) {
             Some(a) => a,
@@ -160,6 +144,7 @@ impl Authorizer {
                             verb: Some(verb.to_string()),
                             group: Some(GROUP.to_string()),
                             resource: Some(resource.to_string()),
+                            name: name.map(str::to_string),
                             ..Default::default()
                         }),
                         ..Default::default()
@@ -170,10 +155,7 @@ impl Authorizer {
                     .create(&PostParams::default(), &review)
                     .await
                     .map_err(|e| {
-                        ApiError::unavailable(
-                            "kubernetes_unavailable",
-                            format!("SubjectAccessReview failed: {e}"),
-                        )
+                        ApiError::unavailable("kubernetes_unavailable", format!("SubjectAccessReview failed: {e}"))
                     })?;
                 let allowed = done.status.map(|s| s.allowed).unwrap_or(false);
                 remember(&self.decisions, key, allowed);
@@ -184,8 +166,9 @@ impl Authorizer {
             Ok(())
         } else {
             Err(ApiError::forbidden(format!(
-                "{} may not {verb} {resource}.{GROUP} in namespace {namespace}",
-                caller.username
+                "{} may not {verb} {resource}.{GROUP}{} in namespace {namespace}",
+                caller.username,
+                name.map(|n| format!(" {n}")).unwrap_or_default()
             )))
         }
     }

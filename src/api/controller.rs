@@ -21,10 +21,9 @@ impl From<AgentError> for ApiError {
         match e {
             AgentError::Election(e) => e.into(),
             AgentError::Kube(e) => e.into(),
-            AgentError::NotRegistered(s) => ApiError::not_found(
-                "not_registered",
-                format!("session {s} has no live registration"),
-            ),
+            AgentError::NotRegistered(s) => {
+                ApiError::not_found("not_registered", format!("session {s} has no live registration"))
+            }
         }
     }
 }
@@ -32,25 +31,15 @@ impl From<AgentError> for ApiError {
 fn check_namespace(ns: &str) -> Result<(), ApiError> {
     let ok = !ns.is_empty()
         && ns.len() <= 63
-        && ns
-            .bytes()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+        && ns.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
         && !ns.starts_with('-')
         && !ns.ends_with('-');
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::invalid(format!(
-            "namespace {ns:?} is not a valid namespace name"
-        )))
-    }
+    if ok { Ok(()) } else { Err(ApiError::invalid(format!("namespace {ns:?} is not a valid namespace name"))) }
 }
 
 fn check_len(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
     if v.is_empty() || v.chars().count() > max {
-        Err(ApiError::invalid(format!(
-            "{field} must be 1 to {max} characters"
-        )))
+        Err(ApiError::invalid(format!("{field} must be 1 to {max} characters")))
     } else {
         Ok(())
     }
@@ -74,19 +63,8 @@ pub async fn register(
     check_len("project_id", &body.project_id, 128)?;
     check_len("session_id", &body.session_id, 256)?;
     let caller = state.auth.authenticate(&headers).await?;
-    state
-        .auth
-        .authorize(&caller, "create", RESOURCE, &body.namespace)
-        .await?;
-    let done = state
-        .agents
-        .register(
-            &body.namespace,
-            &body.project_id,
-            &body.session_id,
-            body.agent_surface,
-        )
-        .await?;
+    state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
+    let done = state.agents.register(&body.namespace, &body.project_id, &body.session_id, body.agent_surface).await?;
     Ok((StatusCode::OK, Json(done)))
 }
 
@@ -95,20 +73,12 @@ pub async fn release(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<RoutingTable>, ApiError> {
-    let id = Uuid::parse_str(&id)
-        .map_err(|_| ApiError::invalid("id must be a registration id (uuid)"))?;
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::invalid("id must be a registration id (uuid)"))?;
     let caller = state.auth.authenticate(&headers).await?;
     // Authorize against the registration's own namespace; an unknown id is 404 only for
     // callers who could see it, so ids do not leak across namespaces.
-    let row = state
-        .agents
-        .registration(id)
-        .await
-        .map_err(ApiError::from)?;
-    state
-        .auth
-        .authorize(&caller, "delete", RESOURCE, &row.namespace)
-        .await?;
+    let row = state.agents.registration(id).await.map_err(ApiError::from)?;
+    state.auth.authorize(&caller, "delete", RESOURCE, &row.namespace).await?;
     Ok(Json(state.agents.release(id).await?))
 }
 
@@ -127,17 +97,9 @@ pub async fn heartbeat(
     check_namespace(&body.namespace)?;
     check_len("session_id", &body.session_id, 256)?;
     let caller = state.auth.authenticate(&headers).await?;
-    state
-        .auth
-        .authorize(&caller, "create", RESOURCE, &body.namespace)
-        .await?;
+    state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
     state.metrics.heartbeats.inc();
-    Ok(Json(
-        state
-            .agents
-            .heartbeat(&body.namespace, &body.session_id)
-            .await?,
-    ))
+    Ok(Json(state.agents.heartbeat(&body.namespace, &body.session_id).await?))
 }
 
 #[derive(Deserialize)]
@@ -152,22 +114,12 @@ pub async fn status(
     Path(project_id): Path<String>,
     Query(q): Query<StatusQuery>,
 ) -> Result<Json<RoutingTable>, ApiError> {
-    let namespace = q
-        .namespace
-        .ok_or_else(|| ApiError::invalid("the namespace query parameter is required"))?;
+    let namespace = q.namespace.ok_or_else(|| ApiError::invalid("the namespace query parameter is required"))?;
     check_namespace(&namespace)?;
     check_len("project_id", &project_id, 128)?;
     let caller = state.auth.authenticate(&headers).await?;
-    state
-        .auth
-        .authorize(&caller, "list", RESOURCE, &namespace)
-        .await?;
-    Ok(Json(
-        state
-            .agents
-            .routing(&namespace, &project_id, q.session_id.as_deref())
-            .await?,
-    ))
+    state.auth.authorize(&caller, "list", RESOURCE, &namespace).await?;
+    Ok(Json(state.agents.routing(&namespace, &project_id, q.session_id.as_deref()).await?))
 }
 
 #[derive(Deserialize)]
@@ -186,24 +138,12 @@ pub async fn fence(
     check_namespace(&body.namespace)?;
     check_len("project_id", &body.project_id, 128)?;
     let caller = state.auth.authenticate(&headers).await?;
-    state
-        .auth
-        .authorize(&caller, "get", RESOURCE, &body.namespace)
-        .await?;
-    match state
-        .agents
-        .fence(&body.namespace, &body.project_id, body.term)
-        .await?
-    {
-        Some(master) => Ok(Json(
-            json!({"project_id": body.project_id, "term": body.term, "master": master}),
-        )),
+    state.auth.authorize(&caller, "get", RESOURCE, &body.namespace).await?;
+    match state.agents.fence(&body.namespace, &body.project_id, body.term).await? {
+        Some(master) => Ok(Json(json!({"project_id": body.project_id, "term": body.term, "master": master}))),
         None => Err(ApiError::conflict(
             "stale_term",
-            format!(
-                "term {} is not the current master term of {}",
-                body.term, body.project_id
-            ),
+            format!("term {} is not the current master term of {}", body.term, body.project_id),
         )),
     }
 }

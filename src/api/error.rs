@@ -19,11 +19,7 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            code,
-            message: message.into(),
-        }
+        Self { status, code, message: message.into() }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", message)
@@ -46,11 +42,7 @@ impl ApiError {
     /// Details go to the log; the caller gets a generic message.
     pub fn internal(context: &str, e: impl std::fmt::Display) -> Self {
         error!(error = %e, "{context}");
-        Self::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "internal error; see the operator log",
-        )
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error; see the operator log")
     }
 }
 
@@ -64,16 +56,11 @@ impl IntoResponse for ApiError {
 impl From<ElectionError> for ApiError {
     fn from(e: ElectionError) -> Self {
         match e {
-            ElectionError::NotFound(id) => {
-                ApiError::not_found("not_found", format!("registration {id} not found"))
-            }
+            ElectionError::NotFound(id) => ApiError::not_found("not_found", format!("registration {id} not found")),
             ElectionError::Contended(_) => ApiError::unavailable("contended", e.to_string()),
             ElectionError::Database(_) => {
                 error!(error = %e, "database error");
-                ApiError::unavailable(
-                    "database_unavailable",
-                    "the election database is unavailable",
-                )
+                ApiError::unavailable("database_unavailable", "the election database is unavailable")
             }
         }
     }
@@ -100,31 +87,19 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
         match axum::Json::<T>::from_request(req, state).await {
             Ok(axum::Json(v)) => Ok(ApiJson(v)),
             Err(rejection) => Err(match &rejection {
-                JsonRejection::JsonSyntaxError(_) => ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "malformed_json",
-                    rejection.body_text(),
-                ),
+                JsonRejection::JsonSyntaxError(_) => {
+                    ApiError::new(StatusCode::BAD_REQUEST, "malformed_json", rejection.body_text())
+                }
                 JsonRejection::JsonDataError(_) => ApiError::invalid(rejection.body_text()),
                 JsonRejection::MissingJsonContentType(_) => ApiError::new(
                     StatusCode::UNSUPPORTED_MEDIA_TYPE,
                     "unsupported_media_type",
                     "expected Content-Type: application/json",
                 ),
-                JsonRejection::BytesRejection(_)
-                    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE =>
-                {
-                    ApiError::new(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        "payload_too_large",
-                        "request body too large",
-                    )
+                JsonRejection::BytesRejection(_) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "request body too large")
                 }
-                _ => ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "bad_request",
-                    rejection.body_text(),
-                ),
+                _ => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", rejection.body_text()),
             }),
         }
     }

@@ -18,6 +18,7 @@ use crate::telemetry::Metrics;
 pub mod auth;
 pub mod controller;
 pub mod error;
+pub mod runtime;
 
 pub use error::{ApiError, ApiJson};
 
@@ -30,6 +31,8 @@ pub struct AppState {
     pub kube: kube::Client,
     pub auth: auth::Authorizer,
     pub agents: AgentService,
+    pub runtime: crate::runtime::service::RuntimeService,
+    pub triggers: crate::controller::Triggers,
     pub metrics: Arc<Metrics>,
 }
 
@@ -42,20 +45,20 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/api/v1/controller/heartbeat", post(controller::heartbeat))
         .route("/api/v1/controller/fence", post(controller::fence))
         .route("/api/v1/controller/{id}/release", post(controller::release))
-        .route(
-            "/api/v1/controller/{project_id}/status",
-            get(controller::status),
-        )
+        .route("/api/v1/controller/{project_id}/status", get(controller::status))
+        .route("/api/v1/runtime/hello", post(runtime::hello))
+        .route("/api/v1/runtime/heartbeat", post(runtime::heartbeat))
+        .route("/api/v1/runtime/jobs", post(runtime::enqueue))
+        .route("/api/v1/runtime/jobs/claim", post(runtime::claim))
+        .route("/api/v1/runtime/jobs/{id}/{action}", post(runtime::job_step))
+        .route("/api/v1/runtime/servers/{server_instance_id}/status", get(runtime::server_status))
         .fallback(|| async { ApiError::not_found("not_found", "no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let headers = [(
-        axum::http::header::CONTENT_TYPE,
-        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-    )];
+    let headers = [(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")];
     (headers, state.metrics.render()).into_response()
 }
 
@@ -69,18 +72,9 @@ async fn healthz() -> &'static str {
 /// in the Service and Runs get a precise 503 `runtime_registry_unavailable` rather than
 /// a connection error.
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
-    let postgres = sqlx::query("SELECT 1")
-        .execute(&state.db)
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string());
+    let postgres = sqlx::query("SELECT 1").execute(&state.db).await.map(|_| ()).map_err(|e| e.to_string());
     let redis = state.redis.ping().await.map_err(|e| e.to_string());
-    let kubernetes = state
-        .kube
-        .apiserver_version()
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string());
+    let kubernetes = state.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string());
     let check = |r: &Result<(), String>| match r {
         Ok(()) => json!({"status": "ok"}),
         Err(e) => json!({"status": "unavailable", "message": e}),
@@ -99,10 +93,6 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
             "kubernetes": check(&kubernetes),
         }
     });
-    let code = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
+    let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, Json(body)).into_response()
 }

@@ -1,6 +1,7 @@
 //! Reconcilers (glue only) and the background loops that run beside them.
 
 pub mod registration;
+pub mod runsession;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,12 +11,15 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Api, Client};
+use kube::{Api, Client, Resource};
+
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use crate::crd::ControllerRegistration;
+use crate::crd::{ControllerRegistration, RunSession};
 use crate::election::{ElectionError, ElectionStore, Touched};
+use crate::runtime::RuntimeError;
+use crate::runtime::service::RuntimeService;
 use crate::telemetry::Metrics;
 
 /// Field manager of every server-side apply this operator makes.
@@ -25,6 +29,8 @@ pub const FIELD_MANAGER: &str = "prism-operator";
 pub enum ControllerError {
     #[error(transparent)]
     Election(#[from] ElectionError),
+    #[error(transparent)]
+    Runtime(RuntimeError),
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error(transparent)]
@@ -33,25 +39,30 @@ pub enum ControllerError {
     MissingField(&'static str),
 }
 
-/// Sends "reconcile this now" for resources an election touched from elsewhere.
+/// Sends "reconcile this now" for resources changed from elsewhere (an election, a
+/// hello), so their status follows within a second rather than at the next resync.
 #[derive(Clone)]
 pub struct Triggers {
     registrations: mpsc::UnboundedSender<ObjectRef<ControllerRegistration>>,
+    runsessions: mpsc::UnboundedSender<ObjectRef<RunSession>>,
 }
 
 impl Triggers {
     pub fn registrations(&self, touched: impl IntoIterator<Item = Touched>) {
         for t in touched {
-            let _ = self
-                .registrations
-                .send(ObjectRef::new(&t.name).within(&t.namespace));
+            let _ = self.registrations.send(ObjectRef::new(&t.name).within(&t.namespace));
         }
+    }
+
+    pub fn runsession(&self, namespace: &str, name: &str) {
+        let _ = self.runsessions.send(ObjectRef::new(name).within(namespace));
     }
 }
 
 pub struct Context {
     pub client: Client,
     pub election: ElectionStore,
+    pub runtime: RuntimeService,
     pub recorder: Recorder,
     pub triggers: Triggers,
     pub stale_after: chrono::Duration,
@@ -60,32 +71,23 @@ pub struct Context {
 
 pub struct Receivers {
     registrations: mpsc::UnboundedReceiver<ObjectRef<ControllerRegistration>>,
+    runsessions: mpsc::UnboundedReceiver<ObjectRef<RunSession>>,
 }
 
 /// The triggers to hand out (API, sweep) and the receiving ends for the controllers.
 pub fn triggers() -> (Triggers, Receivers) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    (
-        Triggers { registrations: tx },
-        Receivers { registrations: rx },
-    )
+    let (reg_tx, reg_rx) = mpsc::unbounded_channel();
+    let (run_tx, run_rx) = mpsc::unbounded_channel();
+    (Triggers { registrations: reg_tx, runsessions: run_tx }, Receivers { registrations: reg_rx, runsessions: run_rx })
 }
 
 pub fn recorder(client: Client) -> Recorder {
     let instance = std::env::var("POD_NAME").ok();
-    Recorder::new(
-        client,
-        Reporter {
-            controller: FIELD_MANAGER.into(),
-            instance,
-        },
-    )
+    Recorder::new(client, Reporter { controller: FIELD_MANAGER.into(), instance })
 }
 
 /// A database time as a Kubernetes `Time` (microsecond precision, as Postgres keeps it).
-pub fn to_time(
-    t: chrono::DateTime<chrono::Utc>,
-) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Time {
+pub fn to_time(t: chrono::DateTime<chrono::Utc>) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Time {
     let ts = k8s_openapi::jiff::Timestamp::from_microsecond(t.timestamp_micros())
         .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
     k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(ts)
@@ -96,30 +98,49 @@ fn error_policy<K>(_obj: Arc<K>, error: &ControllerError, _ctx: Arc<Context>) ->
     Action::requeue(Duration::from_secs(5))
 }
 
-/// Runs the ControllerRegistration controller until shutdown.
-pub async fn run_registrations(ctx: Arc<Context>, receivers: Receivers, namespace: Option<String>) {
-    let api: Api<ControllerRegistration> = match &namespace {
-        Some(ns) => Api::namespaced(ctx.client.clone(), ns),
-        None => Api::all(ctx.client.clone()),
-    };
-    let triggered = futures::stream::unfold(receivers.registrations, |mut rx| async move {
-        rx.recv().await.map(|r| (r, rx))
-    });
-    info!(
-        namespace = namespace.as_deref().unwrap_or("<all>"),
-        "ControllerRegistration controller started"
-    );
-    Controller::new(api, watcher::Config::default())
-        .reconcile_on(triggered)
+fn api_for<K>(client: &Client, namespace: &Option<String>) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+fn receiver_stream<K>(rx: mpsc::UnboundedReceiver<ObjectRef<K>>) -> impl futures::Stream<Item = ObjectRef<K>>
+where
+    K: Resource + 'static,
+{
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) })
+}
+
+async fn drain<K: Resource, E: std::fmt::Display>(
+    res: Result<(ObjectRef<K>, Action), kube::runtime::controller::Error<E, watcher::Error>>,
+) where
+    K::DynamicType: std::fmt::Debug,
+{
+    match res {
+        Ok((obj, _)) => debug!(%obj, "reconciled"),
+        Err(e) => debug!(error = %e, "reconcile error"),
+    }
+}
+
+/// Runs both controllers until shutdown.
+pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace: Option<String>) {
+    info!(namespace = namespace.as_deref().unwrap_or("<all>"), "controllers started");
+    let registrations =
+        Controller::new(api_for::<ControllerRegistration>(&ctx.client, &namespace), watcher::Config::default())
+            .reconcile_on(receiver_stream(receivers.registrations))
+            .shutdown_on_signal()
+            .run(registration::reconcile, error_policy, ctx.clone())
+            .for_each(drain);
+    let runsessions = Controller::new(api_for::<RunSession>(&ctx.client, &namespace), watcher::Config::default())
+        .reconcile_on(receiver_stream(receivers.runsessions))
         .shutdown_on_signal()
-        .run(registration::reconcile, error_policy, ctx)
-        .for_each(|res| async move {
-            match res {
-                Ok((obj, _)) => debug!(%obj, "reconciled"),
-                Err(e) => debug!(error = %e, "reconcile error"),
-            }
-        })
-        .await;
+        .run(runsession::reconcile, error_policy, ctx.clone())
+        .for_each(drain);
+    futures::join!(registrations, runsessions);
 }
 
 /// The stale sweep: once at start, then every `interval`.
@@ -131,14 +152,25 @@ pub async fn run_sweep(ctx: Arc<Context>, stale_minutes: u32, interval: Duration
         match ctx.election.sweep(stale_minutes).await {
             Ok(touched) => {
                 if !touched.is_empty() {
-                    info!(
-                        registrations = touched.len(),
-                        "stale sweep released registrations"
-                    );
+                    info!(registrations = touched.len(), "stale sweep released registrations");
                 }
                 ctx.triggers.registrations(touched);
             }
             Err(e) => warn!(error = %e, "stale sweep failed; next attempt at the next interval"),
+        }
+    }
+}
+
+/// The job reaper: claimed jobs past their visibility timeout go back to the queue.
+pub async fn run_reaper(ctx: Arc<Context>, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match ctx.runtime.jobs.reap().await {
+            Ok(0) => {}
+            Ok(n) => info!(jobs = n, "visibility timeout: jobs returned to the queue"),
+            Err(e) => warn!(error = %e, "job reaper failed; next attempt at the next interval"),
         }
     }
 }

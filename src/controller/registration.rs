@@ -20,8 +20,7 @@ use uuid::Uuid;
 
 use super::{Context, ControllerError, FIELD_MANAGER, to_time};
 use crate::crd::{
-    ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, RegistrationRef,
-    ReleaseReason, Role,
+    ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, RegistrationRef, ReleaseReason, Role,
 };
 use crate::election::NewRegistration;
 use crate::election::store::{ProjectView, RegisterOutcome, Registration};
@@ -30,13 +29,8 @@ pub const FINALIZER: &str = "prism.ntecdev.ai/release";
 /// `status.lastHeartbeat` is refreshed at most this often: never a status write per beat.
 pub const HEARTBEAT_STATUS_RESOLUTION: Duration = Duration::from_secs(30);
 
-pub async fn reconcile(
-    obj: Arc<ControllerRegistration>,
-    ctx: Arc<Context>,
-) -> Result<Action, ControllerError> {
-    let ns = obj
-        .namespace()
-        .ok_or(ControllerError::MissingField("metadata.namespace"))?;
+pub async fn reconcile(obj: Arc<ControllerRegistration>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
+    let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
     let api: Api<ControllerRegistration> = Api::namespaced(ctx.client.clone(), &ns);
     let started = std::time::Instant::now();
     let result = finalizer(&api, FINALIZER, obj, |event| async {
@@ -47,15 +41,12 @@ pub async fn reconcile(
     })
     .await
     .map_err(|e| ControllerError::Finalizer(Box::new(e)));
-    ctx.metrics
-        .reconciled("controllerregistration", started.elapsed(), result.is_err());
+    ctx.metrics.reconciled("controllerregistration", started.elapsed(), result.is_err());
     result
 }
 
 fn uid(obj: &ControllerRegistration) -> Result<Uuid, ControllerError> {
-    let uid = obj
-        .uid()
-        .ok_or(ControllerError::MissingField("metadata.uid"))?;
+    let uid = obj.uid().ok_or(ControllerError::MissingField("metadata.uid"))?;
     Uuid::parse_str(&uid).map_err(|_| ControllerError::MissingField("metadata.uid"))
 }
 
@@ -75,11 +66,7 @@ async fn apply(
         surface: obj.spec.agent_surface,
     };
     let (outcome, touched) = ctx.election.register(&new).await?;
-    ctx.triggers.registrations(
-        touched
-            .into_iter()
-            .filter(|t| t.name != new.name || t.namespace != ns),
-    );
+    ctx.triggers.registrations(touched.into_iter().filter(|t| t.name != new.name || t.namespace != ns));
 
     ensure_project_label(obj, api).await;
 
@@ -87,23 +74,12 @@ async fn apply(
     let previous = obj.status.clone().unwrap_or_default();
     let next = match &outcome {
         RegisterOutcome::Registered(row) => {
-            let view = ctx
-                .election
-                .project(&row.namespace, &row.project_id)
-                .await?;
+            let view = ctx.election.project(&row.namespace, &row.project_id).await?;
             let preempted_by = match row.preempted_by {
                 Some(by) => ctx.election.get(by).await?,
                 None => None,
             };
-            build_status(
-                row,
-                &view,
-                preempted_by.as_ref(),
-                obj.metadata.generation,
-                &previous,
-                ctx.stale_after,
-                now,
-            )
+            build_status(row, &view, preempted_by.as_ref(), obj.metadata.generation, &previous, ctx.stale_after, now)
         }
         RegisterOutcome::DuplicateSession { existing } => {
             duplicate_status(existing, obj.metadata.generation, &previous, now)
@@ -115,12 +91,7 @@ async fn apply(
             "kind": "ControllerRegistration",
             "status": next,
         });
-        api.patch_status(
-            &obj.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
+        api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
     }
     if let Some((type_, reason, note)) = role_event(&previous, &next) {
         publish(ctx, obj, type_, reason, note).await;
@@ -139,18 +110,10 @@ async fn cleanup(obj: &ControllerRegistration, ctx: &Context) -> Result<Action, 
     let id = uid(obj)?;
     let touched = ctx.election.release(id, ReleaseReason::Wrapped).await?;
     let was_live = !touched.is_empty();
-    ctx.triggers
-        .registrations(touched.into_iter().filter(|t| t.name != obj.name_any()));
+    ctx.triggers.registrations(touched.into_iter().filter(|t| t.name != obj.name_any()));
     if was_live {
         info!(namespace = ?obj.namespace(), name = %obj.name_any(), "registration wrapped");
-        publish(
-            ctx,
-            obj,
-            EventType::Normal,
-            "Released",
-            "released: wrapped (resource deleted)".into(),
-        )
-        .await;
+        publish(ctx, obj, EventType::Normal, "Released", "released: wrapped (resource deleted)".into()).await;
     }
     Ok(Action::await_change())
 }
@@ -164,14 +127,7 @@ async fn ensure_project_label(obj: &ControllerRegistration, api: &Api<Controller
         return;
     }
     let patch = json!({"metadata": {"labels": {PROJECT_LABEL: want}}});
-    if let Err(e) = api
-        .patch(
-            &obj.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-    {
+    if let Err(e) = api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
         warn!(name = %obj.name_any(), error = %e, "could not set the project label");
     }
 }
@@ -182,16 +138,11 @@ pub fn is_label_value(v: &str) -> bool {
         && (b.is_empty()
             || (b[0].is_ascii_alphanumeric()
                 && b[b.len() - 1].is_ascii_alphanumeric()
-                && b.iter()
-                    .all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))))
+                && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))))
 }
 
 fn reference(row: &Registration) -> RegistrationRef {
-    RegistrationRef {
-        name: row.name.clone(),
-        session_id: row.session_id.clone(),
-        agent_surface: row.surface(),
-    }
+    RegistrationRef { name: row.name.clone(), session_id: row.session_id.clone(), agent_surface: row.surface() }
 }
 
 /// The status of a registration, from its row and its project's view. Pure.
@@ -213,37 +164,19 @@ pub fn build_status(
     };
     let reason = row.reason();
     let heartbeat_age = now - row.last_heartbeat;
-    let stale = reason == Some(ReleaseReason::StaleHeartbeatIncident)
-        || (row.is_live() && heartbeat_age > stale_after);
+    let stale = reason == Some(ReleaseReason::StaleHeartbeatIncident) || (row.is_live() && heartbeat_age > stale_after);
     let (ready, ready_reason, ready_msg) = match (role, reason) {
-        (Role::Released, Some(r)) => (
-            false,
-            released_reason(r),
-            format!(
-                "released: {}",
-                crate::election::store::release_reason_str(r)
-            ),
-        ),
+        (Role::Released, Some(r)) => {
+            (false, released_reason(r), format!("released: {}", crate::election::store::release_reason_str(r)))
+        }
         (Role::Released, None) => (false, "Released", "released".to_string()),
-        _ => (
-            true,
-            "Registered",
-            format!("registered on project {}", row.project_id),
-        ),
+        _ => (true, "Registered", format!("registered on project {}", row.project_id)),
     };
     let (master_reason, master_msg) = match role {
-        Role::Master => (
-            "Elected",
-            format!(
-                "master of project {} in term {}",
-                row.project_id,
-                row.master_term.unwrap_or_default()
-            ),
-        ),
-        Role::Peer if row.preempted => (
-            "Preempted",
-            "preempted by a desktop registration".to_string(),
-        ),
+        Role::Master => {
+            ("Elected", format!("master of project {} in term {}", row.project_id, row.master_term.unwrap_or_default()))
+        }
+        Role::Peer if row.preempted => ("Preempted", "preempted by a desktop registration".to_string()),
         Role::Peer => (
             "Peer",
             match &view.master {
@@ -254,44 +187,14 @@ pub fn build_status(
         _ => ("Released", "not in the election".to_string()),
     };
     let (stale_reason, stale_msg) = if stale {
-        (
-            "HeartbeatStale",
-            format!("no heartbeat for {}s", heartbeat_age.num_seconds().max(0)),
-        )
+        ("HeartbeatStale", format!("no heartbeat for {}s", heartbeat_age.num_seconds().max(0)))
     } else {
-        (
-            "HeartbeatFresh",
-            "heartbeat within the stale threshold".to_string(),
-        )
+        ("HeartbeatFresh", "heartbeat within the stale threshold".to_string())
     };
     let conditions = vec![
-        condition(
-            previous,
-            "Ready",
-            ready,
-            ready_reason,
-            &ready_msg,
-            generation,
-            now,
-        ),
-        condition(
-            previous,
-            "Master",
-            role == Role::Master,
-            master_reason,
-            &master_msg,
-            generation,
-            now,
-        ),
-        condition(
-            previous,
-            "Stale",
-            stale,
-            stale_reason,
-            &stale_msg,
-            generation,
-            now,
-        ),
+        condition(previous, "Ready", ready, ready_reason, &ready_msg, generation, now),
+        condition(previous, "Master", role == Role::Master, master_reason, &master_msg, generation, now),
+        condition(previous, "Stale", stale, stale_reason, &stale_msg, generation, now),
     ];
     ControllerRegistrationStatus {
         role,
@@ -323,24 +226,8 @@ fn duplicate_status(
         role: Role::Pending,
         observed_generation: generation,
         conditions: vec![
-            condition(
-                previous,
-                "Ready",
-                false,
-                "DuplicateSession",
-                &msg,
-                generation,
-                now,
-            ),
-            condition(
-                previous,
-                "Master",
-                false,
-                "DuplicateSession",
-                "not in the election",
-                generation,
-                now,
-            ),
+            condition(previous, "Ready", false, "DuplicateSession", &msg, generation, now),
+            condition(previous, "Master", false, "DuplicateSession", "not in the election", generation, now),
         ],
         ..Default::default()
     }
@@ -383,10 +270,7 @@ fn condition(
 
 /// Whether to write: anything but lastHeartbeat changed, or lastHeartbeat moved by at
 /// least the status resolution.
-pub fn status_needs_write(
-    previous: &ControllerRegistrationStatus,
-    next: &ControllerRegistrationStatus,
-) -> bool {
+pub fn status_needs_write(previous: &ControllerRegistrationStatus, next: &ControllerRegistrationStatus) -> bool {
     let secs = |t: &Option<Time>| t.as_ref().map(|t| t.0.as_second());
     let beat_moved = match (secs(&previous.last_heartbeat), secs(&next.last_heartbeat)) {
         (Some(a), Some(b)) => (b - a).unsigned_abs() >= HEARTBEAT_STATUS_RESOLUTION.as_secs(),
@@ -411,51 +295,26 @@ pub fn role_event(
     previous: &ControllerRegistrationStatus,
     next: &ControllerRegistrationStatus,
 ) -> Option<(EventType, &'static str, String)> {
-    let master_name = next
-        .master
-        .as_ref()
-        .map(|m| m.name.as_str())
-        .unwrap_or("none");
+    let master_name = next.master.as_ref().map(|m| m.name.as_str()).unwrap_or("none");
     let term = next.term.unwrap_or_default();
     match (previous.role, next.role) {
         (a, b) if a == b => None,
-        (Role::Peer, Role::Master) => Some((
-            EventType::Normal,
-            "Promoted",
-            format!("promoted to master in term {term}"),
-        )),
-        (_, Role::Master) => Some((
-            EventType::Normal,
-            "BecameMaster",
-            format!("became master in term {term}"),
-        )),
-        (Role::Master, Role::Peer) if next.preempted => {
-            let by = next
-                .preempted_by
-                .as_ref()
-                .map(|p| p.name.as_str())
-                .unwrap_or(master_name);
-            Some((
-                EventType::Warning,
-                "Preempted",
-                format!("preempted by desktop registration {by}"),
-            ))
+        (Role::Peer, Role::Master) => {
+            Some((EventType::Normal, "Promoted", format!("promoted to master in term {term}")))
         }
-        (Role::Master, Role::Peer) => Some((
-            EventType::Normal,
-            "Demoted",
-            format!("now a peer; master is {master_name}"),
-        )),
-        (_, Role::Peer) => Some((
-            EventType::Normal,
-            "BecamePeer",
-            format!("registered as peer; master is {master_name}"),
-        )),
+        (_, Role::Master) => Some((EventType::Normal, "BecameMaster", format!("became master in term {term}"))),
+        (Role::Master, Role::Peer) if next.preempted => {
+            let by = next.preempted_by.as_ref().map(|p| p.name.as_str()).unwrap_or(master_name);
+            Some((EventType::Warning, "Preempted", format!("preempted by desktop registration {by}")))
+        }
+        (Role::Master, Role::Peer) => {
+            Some((EventType::Normal, "Demoted", format!("now a peer; master is {master_name}")))
+        }
+        (_, Role::Peer) => {
+            Some((EventType::Normal, "BecamePeer", format!("registered as peer; master is {master_name}")))
+        }
         (_, Role::Released) => {
-            let reason = next
-                .release_reason
-                .map(crate::election::store::release_reason_str)
-                .unwrap_or("released");
+            let reason = next.release_reason.map(crate::election::store::release_reason_str).unwrap_or("released");
             Some((EventType::Normal, "Released", format!("released: {reason}")))
         }
         (_, Role::Pending) => next
@@ -466,20 +325,8 @@ pub fn role_event(
     }
 }
 
-async fn publish(
-    ctx: &Context,
-    obj: &ControllerRegistration,
-    type_: EventType,
-    reason: &str,
-    note: String,
-) {
-    let event = KubeEvent {
-        type_,
-        reason: reason.into(),
-        note: Some(note),
-        action: "Elect".into(),
-        secondary: None,
-    };
+async fn publish(ctx: &Context, obj: &ControllerRegistration, type_: EventType, reason: &str, note: String) {
+    let event = KubeEvent { type_, reason: reason.into(), note: Some(note), action: "Elect".into(), secondary: None };
     if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
         warn!(name = %obj.name_any(), error = %e, "could not record an Event");
     }
@@ -510,26 +357,10 @@ mod tests {
         }
     }
 
-    fn status_of(
-        r: &Registration,
-        master: &Registration,
-        now_offset: i64,
-    ) -> ControllerRegistrationStatus {
-        let view = ProjectView {
-            term: 3,
-            master: Some(master.clone()),
-            live: vec![master.clone(), r.clone()],
-        };
+    fn status_of(r: &Registration, master: &Registration, now_offset: i64) -> ControllerRegistrationStatus {
+        let view = ProjectView { term: 3, master: Some(master.clone()), live: vec![master.clone(), r.clone()] };
         let now = r.last_heartbeat + chrono::Duration::seconds(now_offset);
-        build_status(
-            r,
-            &view,
-            None,
-            Some(1),
-            &Default::default(),
-            chrono::Duration::minutes(10),
-            now,
-        )
+        build_status(r, &view, None, Some(1), &Default::default(), chrono::Duration::minutes(10), now)
     }
 
     #[test]
@@ -537,18 +368,11 @@ mod tests {
         let m = row("m", true);
         let p = row("p", false);
         let sm = status_of(&m, &m, 5);
-        assert_eq!(
-            (sm.role, sm.is_master, sm.term),
-            (Role::Master, true, Some(3))
-        );
+        assert_eq!((sm.role, sm.is_master, sm.term), (Role::Master, true, Some(3)));
         let sp = status_of(&p, &m, 5);
         assert_eq!((sp.role, sp.is_master, sp.term), (Role::Peer, false, None));
         assert_eq!(sp.master.as_ref().map(|m| m.name.as_str()), Some("m"));
-        let ready = sp
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "Ready")
-            .expect("Ready");
+        let ready = sp.conditions.iter().find(|c| c.type_ == "Ready").expect("Ready");
         assert_eq!(ready.status, "True");
     }
 
@@ -556,10 +380,7 @@ mod tests {
     fn stale_condition_follows_the_threshold() {
         let m = row("m", true);
         let stale = |s: &ControllerRegistrationStatus| {
-            s.conditions
-                .iter()
-                .find(|c| c.type_ == "Stale")
-                .map(|c| c.status.clone())
+            s.conditions.iter().find(|c| c.type_ == "Stale").map(|c| c.status.clone())
         };
         assert_eq!(stale(&status_of(&m, &m, 60)).as_deref(), Some("False"));
         assert_eq!(stale(&status_of(&m, &m, 11 * 60)).as_deref(), Some("True"));
@@ -573,29 +394,18 @@ mod tests {
         later.last_heartbeat += chrono::Duration::seconds(10);
         let b = build_status(
             &later,
-            &ProjectView {
-                term: 3,
-                master: Some(m.clone()),
-                live: vec![],
-            },
+            &ProjectView { term: 3, master: Some(m.clone()), live: vec![] },
             None,
             Some(1),
             &a,
             chrono::Duration::minutes(10),
             later.last_heartbeat,
         );
-        assert!(
-            !status_needs_write(&a, &b),
-            "10 s of heartbeat is not worth a write"
-        );
+        assert!(!status_needs_write(&a, &b), "10 s of heartbeat is not worth a write");
         later.last_heartbeat += chrono::Duration::seconds(25);
         let c = build_status(
             &later,
-            &ProjectView {
-                term: 3,
-                master: Some(m.clone()),
-                live: vec![],
-            },
+            &ProjectView { term: 3, master: Some(m.clone()), live: vec![] },
             None,
             Some(1),
             &a,
@@ -611,25 +421,16 @@ mod tests {
         let p = row("p", false);
         let peer = status_of(&p, &m, 1);
         let master = status_of(&m, &m, 1);
-        assert_eq!(
-            role_event(&Default::default(), &master).map(|e| e.1),
-            Some("BecameMaster")
-        );
+        assert_eq!(role_event(&Default::default(), &master).map(|e| e.1), Some("BecameMaster"));
         assert_eq!(role_event(&peer, &master).map(|e| e.1), Some("Promoted"));
         assert_eq!(role_event(&master, &master), None);
         let mut preempted = peer.clone();
         preempted.preempted = true;
-        assert_eq!(
-            role_event(&master, &preempted).map(|e| e.1),
-            Some("Preempted")
-        );
+        assert_eq!(role_event(&master, &preempted).map(|e| e.1), Some("Preempted"));
         let mut released = peer.clone();
         released.role = Role::Released;
         released.release_reason = Some(ReleaseReason::ContextSwitch);
-        assert_eq!(
-            role_event(&peer, &released).map(|e| e.2),
-            Some("released: context_switch".to_string())
-        );
+        assert_eq!(role_event(&peer, &released).map(|e| e.2), Some("released: context_switch".to_string()));
     }
 
     #[test]

@@ -12,14 +12,10 @@ use uuid::Uuid;
 
 use super::ElectionError;
 use super::heartbeat::HeartbeatCoalescer;
-use super::store::{
-    ElectionStore, NewRegistration, ProjectView, RegisterOutcome, Registration, Touched,
-};
+use super::store::{ElectionStore, NewRegistration, ProjectView, RegisterOutcome, Registration, Touched};
 use crate::controller::Triggers;
 use crate::controller::registration::{FINALIZER, is_label_value};
-use crate::crd::{
-    AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, ReleaseReason,
-};
+use crate::crd::{AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, ReleaseReason};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -109,23 +105,11 @@ pub struct AgentService {
 /// A readable, valid resource name for a registration: the project id folded to a DNS
 /// label, plus a random suffix from the API server (generateName).
 fn name_prefix(project_id: &str) -> String {
-    let mut s: String = project_id
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_lowercase()
-            } else {
-                '-'
-            }
-        })
-        .collect();
+    let mut s: String =
+        project_id.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
     s.truncate(40);
     let s = s.trim_matches('-').to_string();
-    if s.is_empty() {
-        "creg-".to_string()
-    } else {
-        format!("{s}-")
-    }
+    if s.is_empty() { "creg-".to_string() } else { format!("{s}-") }
 }
 
 impl AgentService {
@@ -158,14 +142,10 @@ impl AgentService {
         obj.metadata.generate_name = Some(name_prefix(project_id));
         obj.metadata.finalizers = Some(vec![FINALIZER.to_string()]);
         if is_label_value(project_id) {
-            obj.metadata.labels =
-                Some([(PROJECT_LABEL.to_string(), project_id.to_string())].into());
+            obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), project_id.to_string())].into());
         }
         let created = api.create(&PostParams::default(), &obj).await?;
-        let id = created
-            .uid()
-            .and_then(|u| Uuid::parse_str(&u).ok())
-            .ok_or(ElectionError::NotFound(Uuid::nil()))?;
+        let id = created.uid().and_then(|u| Uuid::parse_str(&u).ok()).ok_or(ElectionError::NotFound(Uuid::nil()))?;
         let new = NewRegistration {
             id,
             namespace: namespace.to_string(),
@@ -175,27 +155,20 @@ impl AgentService {
             surface,
         };
         let (outcome, mut touched) = self.store.register(&new).await?;
-        touched.insert(Touched {
-            namespace: namespace.to_string(),
-            name: created.name_any(),
-        });
+        touched.insert(Touched { namespace: namespace.to_string(), name: created.name_any() });
         self.triggers.registrations(touched);
         match outcome {
             RegisterOutcome::Registered(row) => self.registered(row).await,
             // A concurrent call registered the same session first: keep that one.
             RegisterOutcome::DuplicateSession { existing } => {
-                let _ = api
-                    .delete(&created.name_any(), &DeleteParams::default())
-                    .await;
+                let _ = api.delete(&created.name_any(), &DeleteParams::default()).await;
                 self.registered(existing).await
             }
         }
     }
 
     async fn registered(&self, row: Registration) -> Result<Registered, AgentError> {
-        let routing = self
-            .routing(&row.namespace, &row.project_id, Some(&row.session_id))
-            .await?;
+        let routing = self.routing(&row.namespace, &row.project_id, Some(&row.session_id)).await?;
         Ok(Registered {
             registration: entry(&row),
             project_id: row.project_id.clone(),
@@ -208,11 +181,7 @@ impl AgentService {
 
     /// Wrap: release (promoting a successor) and delete the resource.
     pub async fn release(&self, id: Uuid) -> Result<RoutingTable, AgentError> {
-        let row = self
-            .store
-            .get(id)
-            .await?
-            .ok_or(ElectionError::NotFound(id))?;
+        let row = self.store.get(id).await?.ok_or(ElectionError::NotFound(id))?;
         let touched: BTreeSet<Touched> = self.store.release(id, ReleaseReason::Wrapped).await?;
         self.triggers.registrations(touched);
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), &row.namespace);
@@ -225,18 +194,10 @@ impl AgentService {
     }
 
     pub async fn registration(&self, id: Uuid) -> Result<Registration, AgentError> {
-        Ok(self
-            .store
-            .get(id)
-            .await?
-            .ok_or(ElectionError::NotFound(id))?)
+        Ok(self.store.get(id).await?.ok_or(ElectionError::NotFound(id))?)
     }
 
-    pub async fn heartbeat(
-        &self,
-        namespace: &str,
-        session_id: &str,
-    ) -> Result<HeartbeatReply, AgentError> {
+    pub async fn heartbeat(&self, namespace: &str, session_id: &str) -> Result<HeartbeatReply, AgentError> {
         let row = self
             .store
             .live_by_session(namespace, session_id)
@@ -259,10 +220,7 @@ impl AgentService {
         session_id: Option<&str>,
     ) -> Result<RoutingTable, ElectionError> {
         let view: ProjectView = self.store.project(namespace, project_id).await?;
-        let stale = self
-            .store
-            .recently_stale(namespace, project_id, Utc::now() - self.stale_window)
-            .await?;
+        let stale = self.store.recently_stale(namespace, project_id, Utc::now() - self.stale_window).await?;
         let caller = match session_id {
             Some(s) => {
                 self.heartbeats.beat(namespace, s);
@@ -275,12 +233,7 @@ impl AgentService {
             namespace: namespace.to_string(),
             term: view.term,
             master: view.master.as_ref().map(entry),
-            peers: view
-                .live
-                .iter()
-                .filter(|r| !r.is_master)
-                .map(entry)
-                .collect(),
+            peers: view.live.iter().filter(|r| !r.is_master).map(entry).collect(),
             stale: stale.iter().map(entry).collect(),
             caller,
         })

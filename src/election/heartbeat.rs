@@ -23,11 +23,7 @@ pub struct HeartbeatCoalescer {
 impl HeartbeatCoalescer {
     /// Starts the flusher: one UPDATE per `window` when there is anything to write.
     pub fn spawn(store: ElectionStore, window: Duration, writes: Counter) -> Self {
-        let this = Self {
-            pending: Arc::default(),
-            flushed: Arc::new(Notify::new()),
-            writes,
-        };
+        let this = Self { pending: Arc::default(), flushed: Arc::new(Notify::new()), writes };
         let worker = this.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(window);

@@ -30,10 +30,7 @@ pub enum Event {
     /// A registration arrives (its `is_master` is ignored).
     Register(Candidate),
     /// Registrations leave: wrap, context switch, or a stale sweep (several at once).
-    Release {
-        ids: Vec<Uuid>,
-        reason: ReleaseReason,
-    },
+    Release { ids: Vec<Uuid>, reason: ReleaseReason },
 }
 
 /// Why the master changed; stored in `controller_election_events.cause`.
@@ -80,10 +77,7 @@ pub enum Transition {
     /// A peer became master because the master left.
     Promoted,
     /// The registration left (it was master or peer).
-    Released {
-        was_master: bool,
-        reason: ReleaseReason,
-    },
+    Released { was_master: bool, reason: ReleaseReason },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,9 +108,7 @@ pub fn succession_order(a: &Candidate, b: &Candidate) -> Ordering {
 }
 
 fn best(live: &[Candidate]) -> Option<Uuid> {
-    live.iter()
-        .min_by(|a, b| succession_order(a, b))
-        .map(|c| c.id)
+    live.iter().min_by(|a, b| succession_order(a, b)).map(|c| c.id)
 }
 
 fn set_master(live: &mut [Candidate], id: Uuid) {
@@ -137,16 +129,9 @@ pub fn decide(state: &ProjectState, event: &Event) -> Decision {
         Event::Register(new) => {
             // Rule 6: the same registration again changes nothing.
             if state.live.iter().any(|c| c.id == new.id) {
-                return Decision {
-                    next,
-                    master_change: None,
-                    transitions,
-                };
+                return Decision { next, master_change: None, transitions };
             }
-            next.live.push(Candidate {
-                is_master: false,
-                ..new.clone()
-            });
+            next.live.push(Candidate { is_master: false, ..new.clone() });
             match state.master() {
                 // Rule 1: no live master, so this election installs one. Normally the
                 // newcomer is alone; if earlier state left peers without a master, the
@@ -166,11 +151,7 @@ pub fn decide(state: &ProjectState, event: &Event) -> Decision {
                     }
                     // Newcomer last among promotions: apply demotions/releases first.
                     transitions.sort_by_key(|(id, _)| *id == new.id);
-                    master_change = Some(MasterChange {
-                        previous,
-                        master: Some(winner),
-                        cause: Cause::Elected,
-                    });
+                    master_change = Some(MasterChange { previous, master: Some(winner), cause: Cause::Elected });
                 }
                 // Rule 2 (D1): a desktop registering preempts a non-desktop master.
                 Some(master) if new.surface.is_desktop() && !master.surface.is_desktop() => {
@@ -178,34 +159,19 @@ pub fn decide(state: &ProjectState, event: &Event) -> Decision {
                     next.term += 1;
                     transitions.push((master.id, Transition::Preempted { by: new.id }));
                     transitions.push((new.id, Transition::JoinedAsMaster));
-                    master_change = Some(MasterChange {
-                        previous,
-                        master: Some(new.id),
-                        cause: Cause::Preempted,
-                    });
+                    master_change = Some(MasterChange { previous, master: Some(new.id), cause: Cause::Preempted });
                 }
                 // Rules 3 and 4: everyone else (including later desktops) is a peer.
                 Some(_) => transitions.push((new.id, Transition::JoinedAsPeer)),
             }
         }
         Event::Release { ids, reason } => {
-            let leaving: Vec<&Candidate> =
-                state.live.iter().filter(|c| ids.contains(&c.id)).collect();
+            let leaving: Vec<&Candidate> = state.live.iter().filter(|c| ids.contains(&c.id)).collect();
             if leaving.is_empty() {
-                return Decision {
-                    next,
-                    master_change: None,
-                    transitions,
-                };
+                return Decision { next, master_change: None, transitions };
             }
             for c in &leaving {
-                transitions.push((
-                    c.id,
-                    Transition::Released {
-                        was_master: c.is_master,
-                        reason: *reason,
-                    },
-                ));
+                transitions.push((c.id, Transition::Released { was_master: c.is_master, reason: *reason }));
             }
             next.live.retain(|c| !ids.contains(&c.id));
             let master_left = leaving.iter().any(|c| c.is_master);
@@ -219,20 +185,12 @@ pub fn decide(state: &ProjectState, event: &Event) -> Decision {
                     transitions.push((s, Transition::Promoted));
                 }
                 if master_left || successor.is_some() {
-                    master_change = Some(MasterChange {
-                        previous,
-                        master: successor,
-                        cause: Cause::Released(*reason),
-                    });
+                    master_change = Some(MasterChange { previous, master: successor, cause: Cause::Released(*reason) });
                 }
             }
         }
     }
-    Decision {
-        next,
-        master_change,
-        transitions,
-    }
+    Decision { next, master_change, transitions }
 }
 
 #[cfg(test)]
@@ -242,18 +200,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn at(secs: i64) -> DateTime<Utc> {
-        Utc.timestamp_opt(1_700_000_000 + secs, 0)
-            .single()
-            .expect("valid time")
+        Utc.timestamp_opt(1_700_000_000 + secs, 0).single().expect("valid time")
     }
 
     fn cand(n: u128, surface: AgentSurface, t: i64) -> Candidate {
-        Candidate {
-            id: Uuid::from_u128(n),
-            surface,
-            registered_at: at(t),
-            is_master: false,
-        }
+        Candidate { id: Uuid::from_u128(n), surface, registered_at: at(t), is_master: false }
     }
 
     fn apply(state: &ProjectState, event: Event) -> (ProjectState, Decision) {
@@ -269,53 +220,33 @@ mod tests {
 
     #[test]
     fn first_registration_becomes_master_with_term_one() {
-        let (s, d) = apply(
-            &ProjectState::default(),
-            Event::Register(cand(1, ClaudeCode, 0)),
-        );
+        let (s, d) = apply(&ProjectState::default(), Event::Register(cand(1, ClaudeCode, 0)));
         assert_eq!(master_id(&s), Some(1));
         assert_eq!(s.term, 1);
-        assert_eq!(
-            d.transitions,
-            vec![(Uuid::from_u128(1), Transition::JoinedAsMaster)]
-        );
+        assert_eq!(d.transitions, vec![(Uuid::from_u128(1), Transition::JoinedAsMaster)]);
         assert_eq!(d.master_change.map(|c| c.cause), Some(Cause::Elected));
     }
 
     #[test]
     fn second_non_desktop_is_a_peer_and_term_stays() {
-        let (s, _) = apply(
-            &ProjectState::default(),
-            Event::Register(cand(1, ClaudeCode, 0)),
-        );
+        let (s, _) = apply(&ProjectState::default(), Event::Register(cand(1, ClaudeCode, 0)));
         let (s, d) = apply(&s, Event::Register(cand(2, Codex, 1)));
         assert_eq!(master_id(&s), Some(1));
         assert_eq!(s.term, 1);
-        assert_eq!(
-            d.transitions,
-            vec![(Uuid::from_u128(2), Transition::JoinedAsPeer)]
-        );
+        assert_eq!(d.transitions, vec![(Uuid::from_u128(2), Transition::JoinedAsPeer)]);
         assert!(d.master_change.is_none());
     }
 
     #[test]
     fn desktop_preempts_a_non_desktop_master() {
-        let (s, _) = apply(
-            &ProjectState::default(),
-            Event::Register(cand(1, Cursor, 0)),
-        );
+        let (s, _) = apply(&ProjectState::default(), Event::Register(cand(1, Cursor, 0)));
         let (s, d) = apply(&s, Event::Register(cand(2, ClaudeDesktop, 1)));
         assert_eq!(master_id(&s), Some(2));
         assert_eq!(s.term, 2);
         assert_eq!(
             d.transitions,
             vec![
-                (
-                    Uuid::from_u128(1),
-                    Transition::Preempted {
-                        by: Uuid::from_u128(2)
-                    }
-                ),
+                (Uuid::from_u128(1), Transition::Preempted { by: Uuid::from_u128(2) }),
                 (Uuid::from_u128(2), Transition::JoinedAsMaster)
             ]
         );
@@ -324,55 +255,25 @@ mod tests {
 
     #[test]
     fn a_later_desktop_does_not_preempt_a_desktop_master() {
-        let (s, _) = apply(
-            &ProjectState::default(),
-            Event::Register(cand(1, ClaudeDesktop, 0)),
-        );
+        let (s, _) = apply(&ProjectState::default(), Event::Register(cand(1, ClaudeDesktop, 0)));
         let (s, d) = apply(&s, Event::Register(cand(2, ClaudeDesktop, 1)));
         assert_eq!(master_id(&s), Some(1));
-        assert_eq!(
-            d.transitions,
-            vec![(Uuid::from_u128(2), Transition::JoinedAsPeer)]
-        );
+        assert_eq!(d.transitions, vec![(Uuid::from_u128(2), Transition::JoinedAsPeer)]);
     }
 
     #[test]
     fn release_of_the_master_promotes_desktops_first_then_the_earliest() {
         let mut s = ProjectState::default();
-        for c in [
-            cand(1, Codex, 0),
-            cand(2, ClaudeCode, 1),
-            cand(3, ClaudeDesktop, 2),
-            cand(4, ClaudeDesktop, 3),
-        ] {
+        for c in [cand(1, Codex, 0), cand(2, ClaudeCode, 1), cand(3, ClaudeDesktop, 2), cand(4, ClaudeDesktop, 3)] {
             s = apply(&s, Event::Register(c)).0;
         }
         assert_eq!(master_id(&s), Some(3));
         assert_eq!(s.term, 2);
-        let (s, d) = apply(
-            &s,
-            Event::Release {
-                ids: vec![Uuid::from_u128(3)],
-                reason: ReleaseReason::Wrapped,
-            },
-        );
-        assert_eq!(
-            master_id(&s),
-            Some(4),
-            "the other desktop, though registered last"
-        );
+        let (s, d) = apply(&s, Event::Release { ids: vec![Uuid::from_u128(3)], reason: ReleaseReason::Wrapped });
+        assert_eq!(master_id(&s), Some(4), "the other desktop, though registered last");
         assert_eq!(s.term, 3);
-        assert_eq!(
-            d.master_change.map(|c| c.cause),
-            Some(Cause::Released(ReleaseReason::Wrapped))
-        );
-        let (s, _) = apply(
-            &s,
-            Event::Release {
-                ids: vec![Uuid::from_u128(4)],
-                reason: ReleaseReason::ContextSwitch,
-            },
-        );
+        assert_eq!(d.master_change.map(|c| c.cause), Some(Cause::Released(ReleaseReason::Wrapped)));
+        let (s, _) = apply(&s, Event::Release { ids: vec![Uuid::from_u128(4)], reason: ReleaseReason::ContextSwitch });
         assert_eq!(master_id(&s), Some(1), "then the earliest non-desktop");
         assert_eq!(s.term, 4);
     }
@@ -383,13 +284,8 @@ mod tests {
         for c in [cand(1, Codex, 0), cand(2, ClaudeCode, 1)] {
             s = apply(&s, Event::Register(c)).0;
         }
-        let (s2, d) = apply(
-            &s,
-            Event::Release {
-                ids: vec![Uuid::from_u128(2)],
-                reason: ReleaseReason::StaleHeartbeatIncident,
-            },
-        );
+        let (s2, d) =
+            apply(&s, Event::Release { ids: vec![Uuid::from_u128(2)], reason: ReleaseReason::StaleHeartbeatIncident });
         assert_eq!(master_id(&s2), Some(1));
         assert_eq!(s2.term, s.term);
         assert!(d.master_change.is_none());
@@ -399,13 +295,7 @@ mod tests {
     #[test]
     fn last_release_leaves_no_master_and_the_next_registration_masters() {
         let (s, _) = apply(&ProjectState::default(), Event::Register(cand(1, Codex, 0)));
-        let (s, d) = apply(
-            &s,
-            Event::Release {
-                ids: vec![Uuid::from_u128(1)],
-                reason: ReleaseReason::Wrapped,
-            },
-        );
+        let (s, d) = apply(&s, Event::Release { ids: vec![Uuid::from_u128(1)], reason: ReleaseReason::Wrapped });
         assert!(s.live.is_empty());
         assert_eq!(s.term, 1, "no new master, no new term");
         assert_eq!(
@@ -424,27 +314,14 @@ mod tests {
     #[test]
     fn sweeping_master_and_successor_at_once_promotes_once() {
         let mut s = ProjectState::default();
-        for c in [
-            cand(1, Codex, 0),
-            cand(2, ClaudeCode, 1),
-            cand(3, Cursor, 2),
-        ] {
+        for c in [cand(1, Codex, 0), cand(2, ClaudeCode, 1), cand(3, Cursor, 2)] {
             s = apply(&s, Event::Register(c)).0;
         }
         let ids = vec![Uuid::from_u128(1), Uuid::from_u128(2)];
-        let (s, d) = apply(
-            &s,
-            Event::Release {
-                ids,
-                reason: ReleaseReason::StaleHeartbeatIncident,
-            },
-        );
+        let (s, d) = apply(&s, Event::Release { ids, reason: ReleaseReason::StaleHeartbeatIncident });
         assert_eq!(master_id(&s), Some(3));
         assert_eq!(s.term, 2);
-        assert_eq!(
-            d.transitions.last(),
-            Some(&(Uuid::from_u128(3), Transition::Promoted))
-        );
+        assert_eq!(d.transitions.last(), Some(&(Uuid::from_u128(3), Transition::Promoted)));
     }
 
     #[test]
@@ -453,13 +330,7 @@ mod tests {
         let (s2, d) = apply(&s, Event::Register(cand(1, Codex, 0)));
         assert_eq!(s, s2);
         assert!(d.transitions.is_empty() && d.master_change.is_none());
-        let (s3, d) = apply(
-            &s,
-            Event::Release {
-                ids: vec![Uuid::from_u128(9)],
-                reason: ReleaseReason::Wrapped,
-            },
-        );
+        let (s3, d) = apply(&s, Event::Release { ids: vec![Uuid::from_u128(9)], reason: ReleaseReason::Wrapped });
         assert_eq!(s, s3, "releasing someone not live changes nothing");
         assert!(d.transitions.is_empty());
     }
@@ -467,38 +338,21 @@ mod tests {
     #[test]
     fn a_masterless_project_is_repaired_by_the_next_event() {
         // Peers without a master (e.g. rows written by hand): registering elects the best.
-        let s = ProjectState {
-            term: 7,
-            live: vec![cand(1, Codex, 0), cand(2, ClaudeDesktop, 1)],
-        };
+        let s = ProjectState { term: 7, live: vec![cand(1, Codex, 0), cand(2, ClaudeDesktop, 1)] };
         let (s, d) = apply(&s, Event::Register(cand(3, Other, 2)));
         assert_eq!(master_id(&s), Some(2));
         assert_eq!(s.term, 8);
-        assert!(
-            d.transitions
-                .contains(&(Uuid::from_u128(2), Transition::Promoted))
-        );
-        assert!(
-            d.transitions
-                .contains(&(Uuid::from_u128(3), Transition::JoinedAsPeer))
-        );
+        assert!(d.transitions.contains(&(Uuid::from_u128(2), Transition::Promoted)));
+        assert!(d.transitions.contains(&(Uuid::from_u128(3), Transition::JoinedAsPeer)));
     }
 
     // ---- properties over random histories ----------------------------------------------
 
     #[derive(Clone, Debug)]
     enum Op {
-        Register {
-            session: u8,
-            project: u8,
-            surface: u8,
-        },
-        Release {
-            session: u8,
-        },
-        Sweep {
-            sessions: Vec<u8>,
-        },
+        Register { session: u8, project: u8, surface: u8 },
+        Release { session: u8 },
+        Sweep { sessions: Vec<u8> },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -531,56 +385,30 @@ mod tests {
             let before = &self.projects[project];
             let masters = d.next.live.iter().filter(|c| c.is_master).count();
             assert!(masters <= 1, "never two masters");
-            assert_eq!(
-                masters == 1,
-                !d.next.live.is_empty(),
-                "live registrations always have a master"
-            );
+            assert_eq!(masters == 1, !d.next.live.is_empty(), "live registrations always have a master");
             assert!(d.next.term >= before.term, "term never goes back");
             let changed = before.master().map(|c| c.id) != d.next.master().map(|c| c.id);
             if changed && d.next.master().is_some() {
-                assert_eq!(
-                    d.next.term,
-                    before.term + 1,
-                    "a new master raises the term by one"
-                );
+                assert_eq!(d.next.term, before.term + 1, "a new master raises the term by one");
             } else {
-                assert_eq!(
-                    d.next.term, before.term,
-                    "term rises only with a new master"
-                );
+                assert_eq!(d.next.term, before.term, "term rises only with a new master");
             }
             if let Some(m) = d.next.master()
                 && d.next.live.iter().any(|c| c.surface.is_desktop())
             {
-                assert!(
-                    m.surface.is_desktop(),
-                    "a desktop masters whenever one is live"
-                );
+                assert!(m.surface.is_desktop(), "a desktop masters whenever one is live");
             }
             // Anyone installed other than by preemption is the best by succession order.
-            if let Some(MasterChange {
-                master: Some(m),
-                cause,
-                ..
-            }) = &d.master_change
+            if let Some(MasterChange { master: Some(m), cause, .. }) = &d.master_change
                 && *cause != Cause::Preempted
             {
-                assert_eq!(
-                    Some(*m),
-                    best(&d.next.live),
-                    "promotion follows the succession order"
-                );
+                assert_eq!(Some(*m), best(&d.next.live), "promotion follows the succession order");
             }
             let applied: Vec<Uuid> = d.transitions.iter().map(|(id, _)| *id).collect();
             let mut dedup = applied.clone();
             dedup.sort();
             dedup.dedup();
-            assert_eq!(
-                dedup.len(),
-                applied.len(),
-                "each registration changes role once per event"
-            );
+            assert_eq!(dedup.len(), applied.len(), "each registration changes role once per event");
         }
     }
 

@@ -111,10 +111,7 @@ impl ElectionStore {
 
     pub async fn get(&self, id: Uuid) -> Result<Option<Registration>, ElectionError> {
         let sql = format!("SELECT {COLUMNS} FROM controller_registrations WHERE id = $1");
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(&self.pool).await?)
     }
 
     /// The live registration of a session, if any.
@@ -126,42 +123,26 @@ impl ElectionStore {
         let sql = format!(
             "SELECT {COLUMNS} FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND released_at IS NULL"
         );
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(namespace)
-            .bind(session_id)
-            .fetch_optional(&self.pool)
-            .await?)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(namespace).bind(session_id).fetch_optional(&self.pool).await?)
     }
 
     /// Term, master and live registrations of a project (master first, then by succession).
-    pub async fn project(
-        &self,
-        namespace: &str,
-        project_id: &str,
-    ) -> Result<ProjectView, ElectionError> {
-        let term: Option<i64> = sqlx::query_scalar(
-            "SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2",
-        )
-        .bind(namespace)
-        .bind(project_id)
-        .fetch_optional(&self.pool)
-        .await?;
+    pub async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
+        let term: Option<i64> =
+            sqlx::query_scalar("SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2")
+                .bind(namespace)
+                .bind(project_id)
+                .fetch_optional(&self.pool)
+                .await?;
         let sql = format!(
             "SELECT {COLUMNS} FROM controller_registrations
              WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL
              ORDER BY is_master DESC, (agent_surface = 'claude_desktop') DESC, registered_at, id"
         );
-        let live: Vec<Registration> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(namespace)
-            .bind(project_id)
-            .fetch_all(&self.pool)
-            .await?;
+        let live: Vec<Registration> =
+            sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(namespace).bind(project_id).fetch_all(&self.pool).await?;
         let master = live.iter().find(|r| r.is_master).cloned();
-        Ok(ProjectView {
-            term: term.unwrap_or(0),
-            master,
-            live,
-        })
+        Ok(ProjectView { term: term.unwrap_or(0), master, live })
     }
 
     /// Registrations of a project released by the stale sweep since `since`.
@@ -186,36 +167,24 @@ impl ElectionStore {
 
     /// Registers (rules 1-4, 6) and, when the session is live on another project, first
     /// leaves that one (rule 7: TXN1 release + nudge, TXN2 election). Idempotent.
-    pub async fn register(
-        &self,
-        new: &NewRegistration,
-    ) -> Result<(RegisterOutcome, BTreeSet<Touched>), ElectionError> {
+    pub async fn register(&self, new: &NewRegistration) -> Result<(RegisterOutcome, BTreeSet<Touched>), ElectionError> {
         let mut touched = BTreeSet::new();
         for attempt in 1..=MAX_ATTEMPTS {
             if let Some(existing) = self.get(new.id).await? {
                 // Known already (live or released): registration is idempotent.
                 return Ok((RegisterOutcome::Registered(existing), touched));
             }
-            if let Some(other) = self
-                .live_by_session(&new.namespace, &new.session_id)
-                .await?
-            {
+            if let Some(other) = self.live_by_session(&new.namespace, &new.session_id).await? {
                 if other.id == new.id {
                     // Registered by a concurrent caller (API and reconciler race) since the
                     // lookup above: that is this registration.
                     return Ok((RegisterOutcome::Registered(other), touched));
                 }
                 if other.project_id == new.project_id {
-                    return Ok((
-                        RegisterOutcome::DuplicateSession { existing: other },
-                        touched,
-                    ));
+                    return Ok((RegisterOutcome::DuplicateSession { existing: other }, touched));
                 }
                 // TXN1: context switch away from the old project.
-                match self
-                    .release_once(other.id, ReleaseReason::ContextSwitch)
-                    .await
-                {
+                match self.release_once(other.id, ReleaseReason::ContextSwitch).await {
                     Ok(t) => touched.extend(t),
                     Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => continue,
                     Err(e) => return Err(e),
@@ -268,30 +237,18 @@ impl ElectionStore {
         .bind(new.surface.as_str())
         .fetch_one(&mut *tx)
         .await?;
-        let candidate = Candidate {
-            id: new.id,
-            surface: new.surface,
-            registered_at,
-            is_master: false,
-        };
+        let candidate = Candidate { id: new.id, surface: new.surface, registered_at, is_master: false };
         let decision = decide(&state, &Event::Register(candidate));
         let touched = apply(&mut tx, &new.namespace, &new.project_id, &state, &decision).await?;
         let sql = format!("SELECT {COLUMNS} FROM controller_registrations WHERE id = $1");
-        let row: Registration = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(new.id)
-            .fetch_one(&mut *tx)
-            .await?;
+        let row: Registration = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(new.id).fetch_one(&mut *tx).await?;
         tx.commit().await?;
         Ok(Some((row, touched)))
     }
 
     /// Releases a registration (wrap, context switch) and promotes a successor if it was
     /// master. Releasing an unknown or already released registration changes nothing.
-    pub async fn release(
-        &self,
-        id: Uuid,
-        reason: ReleaseReason,
-    ) -> Result<BTreeSet<Touched>, ElectionError> {
+    pub async fn release(&self, id: Uuid, reason: ReleaseReason) -> Result<BTreeSet<Touched>, ElectionError> {
         for attempt in 1..=MAX_ATTEMPTS {
             match self.release_once(id, reason).await {
                 Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => {
@@ -303,11 +260,7 @@ impl ElectionStore {
         Err(ElectionError::Contended(MAX_ATTEMPTS))
     }
 
-    async fn release_once(
-        &self,
-        id: Uuid,
-        reason: ReleaseReason,
-    ) -> Result<BTreeSet<Touched>, ElectionError> {
+    async fn release_once(&self, id: Uuid, reason: ReleaseReason) -> Result<BTreeSet<Touched>, ElectionError> {
         let Some(row) = self.get(id).await? else {
             return Ok(BTreeSet::new());
         };
@@ -316,13 +269,7 @@ impl ElectionStore {
         }
         let mut tx = self.pool.begin().await?;
         let state = lock_project(&mut tx, &row.namespace, &row.project_id).await?;
-        let decision = decide(
-            &state,
-            &Event::Release {
-                ids: vec![id],
-                reason,
-            },
-        );
+        let decision = decide(&state, &Event::Release { ids: vec![id], reason });
         let touched = apply(&mut tx, &row.namespace, &row.project_id, &state, &decision).await?;
         if reason == ReleaseReason::ContextSwitch && !decision.transitions.is_empty() {
             write_wrap_nudge(&mut tx, &row).await?;
@@ -345,18 +292,11 @@ impl ElectionStore {
             return Ok(touched);
         }
         let result = self.sweep_locked(stale_minutes, &mut touched).await;
-        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(SWEEP_LOCK_KEY)
-            .execute(&mut *lock_conn)
-            .await;
+        let _ = sqlx::query("SELECT pg_advisory_unlock($1)").bind(SWEEP_LOCK_KEY).execute(&mut *lock_conn).await;
         result.map(|()| touched)
     }
 
-    async fn sweep_locked(
-        &self,
-        stale_minutes: u32,
-        touched: &mut BTreeSet<Touched>,
-    ) -> Result<(), ElectionError> {
+    async fn sweep_locked(&self, stale_minutes: u32, touched: &mut BTreeSet<Touched>) -> Result<(), ElectionError> {
         let projects: Vec<(String, String)> = sqlx::query_as(
             "SELECT DISTINCT namespace, project_id FROM controller_registrations
              WHERE released_at IS NULL AND last_heartbeat < now() - make_interval(mins => $1)",
@@ -366,17 +306,12 @@ impl ElectionStore {
         .await?;
         for (namespace, project_id) in projects {
             for attempt in 1..=MAX_ATTEMPTS {
-                match self
-                    .sweep_project(&namespace, &project_id, stale_minutes)
-                    .await
-                {
+                match self.sweep_project(&namespace, &project_id, stale_minutes).await {
                     Ok(t) => {
                         touched.extend(t);
                         break;
                     }
-                    Err(ElectionError::Database(e))
-                        if ElectionError::is_race(&e) && attempt < MAX_ATTEMPTS =>
-                    {
+                    Err(ElectionError::Database(e)) if ElectionError::is_race(&e) && attempt < MAX_ATTEMPTS => {
                         continue;
                     }
                     Err(e) => return Err(e),
@@ -408,13 +343,7 @@ impl ElectionStore {
         if stale.is_empty() {
             return Ok(BTreeSet::new());
         }
-        let decision = decide(
-            &state,
-            &Event::Release {
-                ids: stale,
-                reason: ReleaseReason::StaleHeartbeatIncident,
-            },
-        );
+        let decision = decide(&state, &Event::Release { ids: stale, reason: ReleaseReason::StaleHeartbeatIncident });
         let touched = apply(&mut tx, namespace, project_id, &state, &decision).await?;
         tx.commit().await?;
         Ok(touched)
@@ -426,10 +355,7 @@ impl ElectionStore {
         if sessions.is_empty() {
             return Ok(0);
         }
-        let (namespaces, ids): (Vec<&str>, Vec<&str>) = sessions
-            .iter()
-            .map(|(n, s)| (n.as_str(), s.as_str()))
-            .unzip();
+        let (namespaces, ids): (Vec<&str>, Vec<&str>) = sessions.iter().map(|(n, s)| (n.as_str(), s.as_str())).unzip();
         let done = sqlx::query(
             "UPDATE controller_registrations r SET last_heartbeat = now()
              FROM unnest($1::text[], $2::text[]) AS s(namespace, session_id)
@@ -454,13 +380,12 @@ async fn lock_project(
         .bind(project_id)
         .execute(&mut **tx)
         .await?;
-    let term: i64 = sqlx::query_scalar(
-        "SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2 FOR UPDATE",
-    )
-    .bind(namespace)
-    .bind(project_id)
-    .fetch_one(&mut **tx)
-    .await?;
+    let term: i64 =
+        sqlx::query_scalar("SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2 FOR UPDATE")
+            .bind(namespace)
+            .bind(project_id)
+            .fetch_one(&mut **tx)
+            .await?;
     let rows: Vec<(Uuid, String, DateTime<Utc>, bool)> = sqlx::query_as(
         "SELECT id, agent_surface, registered_at, is_master FROM controller_registrations
          WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL",
@@ -555,29 +480,17 @@ async fn apply(
         return Ok(BTreeSet::new());
     }
     let ids: Vec<Uuid> = affected.into_iter().collect();
-    let names: Vec<String> =
-        sqlx::query_scalar("SELECT name FROM controller_registrations WHERE id = ANY($1)")
-            .bind(&ids)
-            .fetch_all(&mut **tx)
-            .await?;
-    Ok(names
-        .into_iter()
-        .map(|name| Touched {
-            namespace: namespace.to_string(),
-            name,
-        })
-        .collect())
+    let names: Vec<String> = sqlx::query_scalar("SELECT name FROM controller_registrations WHERE id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&mut **tx)
+        .await?;
+    Ok(names.into_iter().map(|name| Touched { namespace: namespace.to_string(), name }).collect())
 }
 
 /// D5: context switch tells the old session to wrap. A missing `nudges` table must not
 /// undo the release: the insert runs in a savepoint and its failure is only logged.
-async fn write_wrap_nudge(
-    tx: &mut Transaction<'_, Postgres>,
-    row: &Registration,
-) -> Result<(), ElectionError> {
-    sqlx::query("SAVEPOINT wrap_nudge")
-        .execute(&mut **tx)
-        .await?;
+async fn write_wrap_nudge(tx: &mut Transaction<'_, Postgres>, row: &Registration) -> Result<(), ElectionError> {
+    sqlx::query("SAVEPOINT wrap_nudge").execute(&mut **tx).await?;
     let insert = sqlx::query(
         "INSERT INTO nudges (namespace, session_id, project_id, kind, payload)
          VALUES ($1, $2, $3, 'wrap_session', jsonb_build_object('reason', 'context_switch', 'registration', $4::text))",
@@ -590,16 +503,12 @@ async fn write_wrap_nudge(
     .await;
     match insert {
         Ok(_) => {
-            sqlx::query("RELEASE SAVEPOINT wrap_nudge")
-                .execute(&mut **tx)
-                .await?;
+            sqlx::query("RELEASE SAVEPOINT wrap_nudge").execute(&mut **tx).await?;
         }
         Err(e) => {
             warn!(namespace = %row.namespace, project = %row.project_id, error = %e,
                   "could not write the wrap_session nudge; the context switch release stands");
-            sqlx::query("ROLLBACK TO SAVEPOINT wrap_nudge")
-                .execute(&mut **tx)
-                .await?;
+            sqlx::query("ROLLBACK TO SAVEPOINT wrap_nudge").execute(&mut **tx).await?;
         }
     }
     Ok(())

@@ -20,10 +20,7 @@ pub struct Identity {
 
 impl Identity {
     pub fn target(&self) -> Target {
-        Target {
-            server_instance_id: self.server_instance_id.clone(),
-            component_kind: self.component_kind.clone(),
-        }
+        Target { server_instance_id: self.server_instance_id.clone(), component_kind: self.component_kind.clone() }
     }
 }
 
@@ -32,13 +29,11 @@ pub enum Mirror {
     /// The resource owns the identity (new, or its credential was updated).
     Owned { rotated: bool },
     /// Another live resource owns this (server, component): this one is not used.
-    Duplicate {
-        owner_namespace: String,
-        owner_name: String,
-    },
+    Duplicate { owner_namespace: String, owner_name: String },
 }
 
-const COLUMNS: &str = "id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds";
+const COLUMNS: &str =
+    "id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds";
 
 #[derive(Clone)]
 pub struct IdentityStore {
@@ -53,12 +48,11 @@ impl IdentityStore {
     /// Mirrors a resource's identity. The first live resource to claim a
     /// (server, component) owns it; a later one is a duplicate (partial unique index).
     pub async fn mirror(&self, i: &Identity) -> Result<Mirror, RuntimeError> {
-        let previous: Option<i64> = sqlx::query_scalar(
-            "SELECT key_generation FROM run_identities WHERE id = $1 AND revoked_at IS NULL",
-        )
-        .bind(i.id)
-        .fetch_optional(&self.pool)
-        .await?;
+        let previous: Option<i64> =
+            sqlx::query_scalar("SELECT key_generation FROM run_identities WHERE id = $1 AND revoked_at IS NULL")
+                .bind(i.id)
+                .fetch_optional(&self.pool)
+                .await?;
         let res = sqlx::query(
             "INSERT INTO run_identities (id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
@@ -77,12 +71,8 @@ impl IdentityStore {
         .execute(&self.pool)
         .await;
         match res {
-            Ok(_) => Ok(Mirror::Owned {
-                rotated: previous.is_some_and(|g| g != i.key_generation),
-            }),
-            Err(sqlx::Error::Database(db))
-                if db.constraint() == Some("run_identities_one_live_identity") =>
-            {
+            Ok(_) => Ok(Mirror::Owned { rotated: previous.is_some_and(|g| g != i.key_generation) }),
+            Err(sqlx::Error::Database(db)) if db.constraint() == Some("run_identities_one_live_identity") => {
                 let owner: (String, String) = sqlx::query_as(
                     "SELECT namespace, name FROM run_identities
                      WHERE server_instance_id = $1 AND component_kind = $2 AND revoked_at IS NULL",
@@ -91,10 +81,7 @@ impl IdentityStore {
                 .bind(&i.component_kind)
                 .fetch_one(&self.pool)
                 .await?;
-                Ok(Mirror::Duplicate {
-                    owner_namespace: owner.0,
-                    owner_name: owner.1,
-                })
+                Ok(Mirror::Duplicate { owner_namespace: owner.0, owner_name: owner.1 })
             }
             Err(e) => Err(e.into()),
         }
@@ -102,12 +89,10 @@ impl IdentityStore {
 
     /// The resource is gone: its identity stops authenticating. Returns whether it was live.
     pub async fn revoke(&self, id: Uuid) -> Result<bool, RuntimeError> {
-        let done = sqlx::query(
-            "UPDATE run_identities SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL",
-        )
-        .bind(id)
-        .execute(&self.pool)
-        .await?;
+        let done = sqlx::query("UPDATE run_identities SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
         Ok(done.rows_affected() > 0)
     }
 
@@ -128,19 +113,14 @@ impl IdentityStore {
         let sql = format!(
             "SELECT {COLUMNS} FROM run_identities WHERE server_instance_id = $1 AND revoked_at IS NULL ORDER BY component_kind"
         );
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(server_instance_id)
-            .fetch_all(&self.pool)
-            .await?)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(server_instance_id).fetch_all(&self.pool).await?)
     }
 
     /// Whether this resource currently owns its identity.
     pub async fn owns(&self, id: Uuid) -> Result<bool, RuntimeError> {
-        Ok(sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM run_identities WHERE id = $1 AND revoked_at IS NULL)",
-        )
-        .bind(id)
-        .fetch_one(&self.pool)
-        .await?)
+        Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM run_identities WHERE id = $1 AND revoked_at IS NULL)")
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await?)
     }
 }

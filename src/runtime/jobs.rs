@@ -28,7 +28,8 @@ pub struct Job {
     pub result: Option<Value>,
 }
 
-const COLUMNS: &str = "id, server_instance_id, component_kind, kind, payload, state, attempts, created_at, claimed_at, progress, result";
+const COLUMNS: &str =
+    "id, server_instance_id, component_kind, kind, payload, state, attempts, created_at, claimed_at, progress, result";
 
 /// Why a job step was refused; the job is unchanged in every case.
 #[derive(Debug, PartialEq)]
@@ -55,17 +56,11 @@ pub struct JobStore {
 
 impl JobStore {
     pub fn new(pool: PgPool, visibility: std::time::Duration) -> Self {
-        let visibility =
-            chrono::Duration::from_std(visibility).unwrap_or(chrono::Duration::seconds(60));
+        let visibility = chrono::Duration::from_std(visibility).unwrap_or(chrono::Duration::seconds(60));
         Self { pool, visibility }
     }
 
-    pub async fn enqueue(
-        &self,
-        t: &Target,
-        kind: &str,
-        payload: &Value,
-    ) -> Result<Job, RuntimeError> {
+    pub async fn enqueue(&self, t: &Target, kind: &str, payload: &Value) -> Result<Job, RuntimeError> {
         let sql = format!(
             "INSERT INTO runtime_jobs (server_instance_id, component_kind, kind, payload) VALUES ($1, $2, $3, $4) RETURNING {COLUMNS}"
         );
@@ -80,12 +75,7 @@ impl JobStore {
 
     /// Claims up to `max` of the oldest queued jobs of the session's own target.
     /// SKIP LOCKED: concurrent claimers never wait on, or take, each other's rows.
-    pub async fn claim(
-        &self,
-        t: &Target,
-        session_id: Uuid,
-        max: i64,
-    ) -> Result<Vec<Job>, RuntimeError> {
+    pub async fn claim(&self, t: &Target, session_id: Uuid, max: i64) -> Result<Vec<Job>, RuntimeError> {
         let sql = format!(
             "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), updated_at = now(),
                  visible_at = now() + make_interval(secs => $5), attempts = attempts + 1, claimed_by_session = $3
@@ -119,22 +109,15 @@ impl JobStore {
         body: Option<&Value>,
     ) -> Result<Result<Job, StepRefused>, RuntimeError> {
         // The visibility timeout is configuration (a number), not input.
-        let visible = format!(
-            "now() + make_interval(secs => {})",
-            self.visibility.num_seconds()
-        );
+        let visible = format!("now() + make_interval(secs => {})", self.visibility.num_seconds());
         let set = match step {
-            Step::Ack => format!(
-                "state = 'running', progress = COALESCE($4::jsonb, progress), visible_at = {visible}"
-            ),
+            Step::Ack => format!("state = 'running', progress = COALESCE($4::jsonb, progress), visible_at = {visible}"),
             Step::Progress => {
                 format!("state = 'running', progress = $4::jsonb, visible_at = {visible}")
             }
             Step::Complete { succeeded } => {
                 let state = if succeeded { "succeeded" } else { "failed" };
-                format!(
-                    "state = '{state}', result = $4::jsonb, completed_at = now(), visible_at = NULL"
-                )
+                format!("state = '{state}', result = $4::jsonb, completed_at = now(), visible_at = NULL")
             }
         };
         let sql = format!(
@@ -153,27 +136,21 @@ impl JobStore {
             return Ok(Ok(job));
         }
         // Say why, without changing anything.
-        let existing: Option<(String, String, String)> = sqlx::query_as(
-            "SELECT server_instance_id, component_kind, state FROM runtime_jobs WHERE id = $1",
-        )
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?;
+        let existing: Option<(String, String, String)> =
+            sqlx::query_as("SELECT server_instance_id, component_kind, state FROM runtime_jobs WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?;
         Ok(Err(match existing {
             None => StepRefused::NotFound,
-            Some((s, c, _)) if s != t.server_instance_id || c != t.component_kind => {
-                StepRefused::CrossTarget
-            }
+            Some((s, c, _)) if s != t.server_instance_id || c != t.component_kind => StepRefused::CrossTarget,
             Some((_, _, state)) => StepRefused::WrongState(state),
         }))
     }
 
     pub async fn get(&self, id: Uuid) -> Result<Option<Job>, RuntimeError> {
         let sql = format!("SELECT {COLUMNS} FROM runtime_jobs WHERE id = $1");
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(&self.pool).await?)
     }
 
     /// Returns claimed or running jobs past their visibility timeout to the queue.
@@ -190,10 +167,6 @@ impl JobStore {
 
     /// Queued jobs per target, for metrics and status.
     pub async fn queue_depth(&self) -> Result<i64, RuntimeError> {
-        Ok(
-            sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE state = 'queued'")
-                .fetch_one(&self.pool)
-                .await?,
-        )
+        Ok(sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE state = 'queued'").fetch_one(&self.pool).await?)
     }
 }

@@ -17,17 +17,12 @@ pub fn hello_message(
     timestamp: i64,
     nonce: &str,
 ) -> String {
-    format!(
-        "{HELLO_DOMAIN}\n{server_instance_id}\n{component_kind}\n{key_generation}\n{timestamp}\n{nonce}"
-    )
+    format!("{HELLO_DOMAIN}\n{server_instance_id}\n{component_kind}\n{key_generation}\n{timestamp}\n{nonce}")
 }
 
 /// 16-128 characters of `[A-Za-z0-9_-]`.
 pub fn nonce_ok(nonce: &str) -> bool {
-    (16..=128).contains(&nonce.len())
-        && nonce
-            .bytes()
-            .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
+    (16..=128).contains(&nonce.len()) && nonce.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
 }
 
 pub fn within_clock_window(timestamp: i64, now: i64) -> bool {
@@ -45,11 +40,7 @@ pub enum ProofError {
 }
 
 pub fn decode_public_key(b64: &str) -> Result<VerifyingKey, ProofError> {
-    let bytes: [u8; 32] = STANDARD
-        .decode(b64)
-        .ok()
-        .and_then(|b| b.try_into().ok())
-        .ok_or(ProofError::BadPublicKey)?;
+    let bytes: [u8; 32] = STANDARD.decode(b64).ok().and_then(|b| b.try_into().ok()).ok_or(ProofError::BadPublicKey)?;
     VerifyingKey::from_bytes(&bytes).map_err(|_| ProofError::BadPublicKey)
 }
 
@@ -57,17 +48,12 @@ pub fn decode_public_key(b64: &str) -> Result<VerifyingKey, ProofError> {
 /// weak keys and malleable signatures).
 pub fn verify(public_key: &str, message: &str, signature_b64: &str) -> Result<(), ProofError> {
     let key = decode_public_key(public_key)?;
-    let sig: [u8; 64] = STANDARD
-        .decode(signature_b64)
-        .ok()
-        .and_then(|b| b.try_into().ok())
-        .ok_or(ProofError::MalformedSignature)?;
+    let sig: [u8; 64] =
+        STANDARD.decode(signature_b64).ok().and_then(|b| b.try_into().ok()).ok_or(ProofError::MalformedSignature)?;
     let sig = Signature::from_bytes(&sig);
-    key.verify_strict(message.as_bytes(), &sig)
-        .map_err(|_| ProofError::BadSignature)?;
+    key.verify_strict(message.as_bytes(), &sig).map_err(|_| ProofError::BadSignature)?;
     // verify_strict implies verify; kept explicit for readers of the Verifier trait.
-    key.verify(message.as_bytes(), &sig)
-        .map_err(|_| ProofError::BadSignature)
+    key.verify(message.as_bytes(), &sig).map_err(|_| ProofError::BadSignature)
 }
 
 #[cfg(test)]
@@ -82,10 +68,7 @@ mod tests {
     #[test]
     fn message_is_six_lines_without_trailing_newline() {
         let m = hello_message("srv-eu1-7", "run", 3, 1_764_400_000, "Zk3q9-2LwX0aPq7T");
-        assert_eq!(
-            m,
-            "prism-run-hello/v1\nsrv-eu1-7\nrun\n3\n1764400000\nZk3q9-2LwX0aPq7T"
-        );
+        assert_eq!(m, "prism-run-hello/v1\nsrv-eu1-7\nrun\n3\n1764400000\nZk3q9-2LwX0aPq7T");
         assert!(!m.ends_with('\n'));
     }
 
@@ -98,20 +81,10 @@ mod tests {
         assert_eq!(verify(&pk, &m, &sig), Ok(()));
         let other = hello_message("srv", "run", 2, 10, "nonce-nonce-nonce");
         assert_eq!(verify(&pk, &other, &sig), Err(ProofError::BadSignature));
-        let wrong_key = STANDARD.encode(
-            SigningKey::from_bytes(&[8u8; 32])
-                .verifying_key()
-                .to_bytes(),
-        );
+        let wrong_key = STANDARD.encode(SigningKey::from_bytes(&[8u8; 32]).verifying_key().to_bytes());
         assert_eq!(verify(&wrong_key, &m, &sig), Err(ProofError::BadSignature));
-        assert_eq!(
-            verify(&pk, &m, "not base64!"),
-            Err(ProofError::MalformedSignature)
-        );
-        assert_eq!(
-            verify(&pk, &m, &STANDARD.encode([0u8; 63])),
-            Err(ProofError::MalformedSignature)
-        );
+        assert_eq!(verify(&pk, &m, "not base64!"), Err(ProofError::MalformedSignature));
+        assert_eq!(verify(&pk, &m, &STANDARD.encode([0u8; 63])), Err(ProofError::MalformedSignature));
         assert_eq!(verify("AAAA", &m, &sig), Err(ProofError::BadPublicKey));
     }
 

@@ -183,10 +183,7 @@ impl RedisStore {
     }
 
     fn key(&self, t: &Target, suffix: &str) -> String {
-        format!(
-            "{}:run:{{{}/{}}}:{suffix}",
-            self.prefix, t.server_instance_id, t.component_kind
-        )
+        format!("{}:run:{{{}/{}}}:{suffix}", self.prefix, t.server_instance_id, t.component_kind)
     }
 
     /// Round trip to Redis, for readiness.
@@ -259,35 +256,23 @@ impl RedisStore {
         {
             return Ok(TokenCheck::Valid(session_of(pairs(list))));
         }
-        Ok(
-            match redis::from_redis_value_ref::<String>(&out)
-                .unwrap_or_default()
-                .as_str()
-            {
-                "superseded" => TokenCheck::Superseded,
-                _ => TokenCheck::Expired,
-            },
-        )
+        Ok(match redis::from_redis_value_ref::<String>(&out).unwrap_or_default().as_str() {
+            "superseded" => TokenCheck::Superseded,
+            _ => TokenCheck::Expired,
+        })
     }
 
     /// The live session of an identity with its remaining lease, if any.
     pub async fn session(&self, t: &Target) -> Result<Option<Session>, RuntimeError> {
         let mut conn = self.conn.clone();
-        let list: Vec<String> = self
-            .read
-            .key(self.key(t, "session"))
-            .invoke_async(&mut conn)
-            .await?;
+        let list: Vec<String> = self.read.key(self.key(t, "session")).invoke_async(&mut conn).await?;
         Ok((!list.is_empty()).then(|| session_of(pairs(list))))
     }
 
     /// Ends an identity's live session at once (credential rotated, resource deleted).
     pub async fn revoke(&self, t: &Target) -> Result<bool, RuntimeError> {
         let mut conn = self.conn.clone();
-        let removed: i64 = redis::cmd("DEL")
-            .arg(self.key(t, "session"))
-            .query_async(&mut conn)
-            .await?;
+        let removed: i64 = redis::cmd("DEL").arg(self.key(t, "session")).query_async(&mut conn).await?;
         Ok(removed > 0)
     }
 }

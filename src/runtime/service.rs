@@ -101,8 +101,7 @@ fn name_ok(s: &str) -> bool {
     !b.is_empty()
         && b.len() <= 63
         && b[0].is_ascii_lowercase()
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'_')
+        && b.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'_')
 }
 
 /// Validates a capability/capacity snapshot: bounded, known-shape names, non-negative amounts.
@@ -115,9 +114,7 @@ pub fn check_snapshot(
             return Err(Invalid("capabilities: at most 32 entries".into()));
         }
         if let Some(bad) = caps.iter().find(|c| !name_ok(c)) {
-            return Err(Invalid(format!(
-                "capabilities: {bad:?} is not a name of [a-z0-9_] (max 63)"
-            )));
+            return Err(Invalid(format!("capabilities: {bad:?} is not a name of [a-z0-9_] (max 63)")));
         }
     }
     if let Some(cap) = capacity {
@@ -125,14 +122,10 @@ pub fn check_snapshot(
             return Err(Invalid("capacity: at most 32 entries".into()));
         }
         if let Some((k, _)) = cap.iter().find(|(k, _)| !name_ok(k)) {
-            return Err(Invalid(format!(
-                "capacity: {k:?} is not a name of [a-z0-9_] (max 63)"
-            )));
+            return Err(Invalid(format!("capacity: {k:?} is not a name of [a-z0-9_] (max 63)")));
         }
         if let Some((k, v)) = cap.iter().find(|(_, v)| **v < 0) {
-            return Err(Invalid(format!(
-                "capacity: {k} must be a non-negative integer, got {v}"
-            )));
+            return Err(Invalid(format!("capacity: {k} must be a non-negative integer, got {v}")));
         }
     }
     Ok(())
@@ -141,19 +134,13 @@ pub fn check_snapshot(
 fn check_hello(h: &Hello) -> Result<(), Invalid> {
     let id_ok = !h.server_instance_id.is_empty()
         && h.server_instance_id.len() <= 253
-        && h.server_instance_id
-            .bytes()
-            .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c));
+        && h.server_instance_id.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c));
     if !id_ok {
-        return Err(Invalid(
-            "server_instance_id: 1-253 characters of [A-Za-z0-9._-]".into(),
-        ));
+        return Err(Invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]".into()));
     }
     let kind_ok = !h.component_kind.is_empty()
         && h.component_kind.len() <= 63
-        && h.component_kind
-            .bytes()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-');
+        && h.component_kind.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-');
     if !kind_ok {
         return Err(Invalid("component_kind: a lowercase DNS label".into()));
     }
@@ -164,25 +151,14 @@ fn check_hello(h: &Hello) -> Result<(), Invalid> {
         return Err(Invalid("nonce: 16-128 characters of [A-Za-z0-9_-]".into()));
     }
     if let Some(v) = &h.version
-        && (v.len() > 64
-            || !v
-                .bytes()
-                .all(|c| c.is_ascii_alphanumeric() || b".+_-".contains(&c)))
+        && (v.len() > 64 || !v.bytes().all(|c| c.is_ascii_alphanumeric() || b".+_-".contains(&c)))
     {
-        return Err(Invalid(
-            "version: at most 64 characters of [A-Za-z0-9.+_-]".into(),
-        ));
+        return Err(Invalid("version: at most 64 characters of [A-Za-z0-9.+_-]".into()));
     }
     if let Some(t) = &h.target {
-        let ok = |s: &str| {
-            !s.is_empty()
-                && s.len() <= 32
-                && s.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_')
-        };
+        let ok = |s: &str| !s.is_empty() && s.len() <= 32 && s.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_');
         if !ok(&t.os) || !ok(&t.arch) {
-            return Err(Invalid(
-                "target: os and arch are 1-32 characters of [A-Za-z0-9_]".into(),
-            ));
+            return Err(Invalid("target: os and arch are 1-32 characters of [A-Za-z0-9_]".into()));
         }
     }
     check_snapshot(h.capabilities.as_ref(), h.capacity.as_ref())
@@ -193,10 +169,7 @@ fn mint_token(t: &Target) -> Result<String, RuntimeError> {
     let mut secret = [0u8; 32];
     getrandom::fill(&mut secret).map_err(|e| RuntimeError::Entropy(e.to_string()))?;
     let route = URL_SAFE_NO_PAD.encode(format!("{}\n{}", t.server_instance_id, t.component_kind));
-    Ok(format!(
-        "{TOKEN_PREFIX}.{route}.{}",
-        URL_SAFE_NO_PAD.encode(secret)
-    ))
+    Ok(format!("{TOKEN_PREFIX}.{route}.{}", URL_SAFE_NO_PAD.encode(secret)))
 }
 
 /// The identity a token is for, if it is shaped like one of ours.
@@ -212,19 +185,16 @@ pub fn token_target(token: &str) -> Option<Target> {
     }
     let route = String::from_utf8(URL_SAFE_NO_PAD.decode(route).ok()?).ok()?;
     let (server, component) = route.split_once('\n')?;
-    Some(Target {
-        server_instance_id: server.to_string(),
-        component_kind: component.to_string(),
-    })
+    Some(Target { server_instance_id: server.to_string(), component_kind: component.to_string() })
 }
 
 /// Only this hash is stored.
 pub fn token_hash(token: &str) -> String {
-    Sha256::digest(token.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// A heartbeat: when, and the capability/capacity snapshot it carries (if any).
+pub type Renewal<'a> = (DateTime<Utc>, Option<&'a Vec<String>>, Option<&'a BTreeMap<String, i64>>);
 
 #[derive(Clone)]
 pub struct RuntimeService {
@@ -236,10 +206,7 @@ pub struct RuntimeService {
 
 impl RuntimeService {
     pub fn lease_seconds(&self, identity: &Identity) -> u32 {
-        identity
-            .lease_seconds
-            .map(|s| s.max(1) as u32)
-            .unwrap_or(self.default_lease_seconds)
+        identity.lease_seconds.map(|s| s.max(1) as u32).unwrap_or(self.default_lease_seconds)
     }
 
     /// Checks the proof and opens (or rotates) the session. The outer error is
@@ -252,10 +219,8 @@ impl RuntimeService {
         if let Err(e) = check_hello(h) {
             return Ok(Err(HelloError::Invalid(e)));
         }
-        let target = Target {
-            server_instance_id: h.server_instance_id.clone(),
-            component_kind: h.component_kind.clone(),
-        };
+        let target =
+            Target { server_instance_id: h.server_instance_id.clone(), component_kind: h.component_kind.clone() };
         let Some(identity) = self.identities.live(&target).await? else {
             return Ok(Err(HelloError::Refused(ProofRefused::UnknownIdentity)));
         };
@@ -265,13 +230,8 @@ impl RuntimeService {
         if !proof::within_clock_window(h.timestamp, now.timestamp()) {
             return Ok(Err(HelloError::Refused(ProofRefused::ClockSkew)));
         }
-        let message = proof::hello_message(
-            &h.server_instance_id,
-            &h.component_kind,
-            h.key_generation,
-            h.timestamp,
-            &h.nonce,
-        );
+        let message =
+            proof::hello_message(&h.server_instance_id, &h.component_kind, h.key_generation, h.timestamp, &h.nonce);
         if proof::verify(&identity.public_key, &message, &h.signature).is_err() {
             return Ok(Err(HelloError::Refused(ProofRefused::BadSignature)));
         }
@@ -287,37 +247,17 @@ impl RuntimeService {
             now_ms: now.timestamp_millis(),
             lease_ms: i64::from(lease) * 1000,
             version: h.version.as_deref().unwrap_or(""),
-            target: &json(
-                h.target
-                    .as_ref()
-                    .and_then(|t| serde_json::to_string(t).ok()),
-            ),
-            capabilities: &json(
-                h.capabilities
-                    .as_ref()
-                    .and_then(|c| serde_json::to_string(c).ok()),
-            ),
-            capacity: &json(
-                h.capacity
-                    .as_ref()
-                    .and_then(|c| serde_json::to_string(c).ok()),
-            ),
+            target: &json(h.target.as_ref().and_then(|t| serde_json::to_string(t).ok())),
+            capabilities: &json(h.capabilities.as_ref().and_then(|c| serde_json::to_string(c).ok())),
+            capacity: &json(h.capacity.as_ref().and_then(|c| serde_json::to_string(c).ok())),
         };
         // Nonces are remembered past both ends of the clock window.
         let nonce_ttl = (2 * proof::CLOCK_WINDOW_SECS + 60) as u64;
-        if self
-            .redis
-            .hello(&target, &h.nonce, &session, nonce_ttl)
-            .await?
-            == HelloOutcome::ReplayedNonce
-        {
+        if self.redis.hello(&target, &h.nonce, &session, nonce_ttl).await? == HelloOutcome::ReplayedNonce {
             return Ok(Err(HelloError::Refused(ProofRefused::ReplayedNonce)));
         }
-        let granted = Granted {
-            session_token: token,
-            lease_ttl_seconds: lease,
-            heartbeat_interval_seconds: (lease / 3).max(1),
-        };
+        let granted =
+            Granted { session_token: token, lease_ttl_seconds: lease, heartbeat_interval_seconds: (lease / 3).max(1) };
         Ok(Ok((identity, granted)))
     }
 
@@ -325,38 +265,22 @@ impl RuntimeService {
     pub async fn session(
         &self,
         token: &str,
-        renew: Option<(
-            DateTime<Utc>,
-            Option<&Vec<String>>,
-            Option<&BTreeMap<String, i64>>,
-        )>,
+        renew: Option<Renewal<'_>>,
     ) -> Result<Result<(Target, Session), SessionRefused>, RuntimeError> {
         let Some(target) = token_target(token) else {
             return Ok(Err(SessionRefused::InvalidToken));
         };
-        let caps = renew
-            .and_then(|(_, c, _)| c)
-            .and_then(|c| serde_json::to_string(c).ok());
-        let cap = renew
-            .and_then(|(_, _, c)| c)
-            .and_then(|c| serde_json::to_string(c).ok());
-        let renew =
-            renew.map(|(now, _, _)| (now.timestamp_millis(), caps.as_deref(), cap.as_deref()));
-        Ok(
-            match self.redis.check(&target, &token_hash(token), renew).await? {
-                TokenCheck::Valid(s) => Ok((target, s)),
-                TokenCheck::Superseded => Err(SessionRefused::Superseded),
-                TokenCheck::Expired => Err(SessionRefused::Expired),
-            },
-        )
+        let caps = renew.and_then(|(_, c, _)| c).and_then(|c| serde_json::to_string(c).ok());
+        let cap = renew.and_then(|(_, _, c)| c).and_then(|c| serde_json::to_string(c).ok());
+        let renew = renew.map(|(now, _, _)| (now.timestamp_millis(), caps.as_deref(), cap.as_deref()));
+        Ok(match self.redis.check(&target, &token_hash(token), renew).await? {
+            TokenCheck::Valid(s) => Ok((target, s)),
+            TokenCheck::Superseded => Err(SessionRefused::Superseded),
+            TokenCheck::Expired => Err(SessionRefused::Expired),
+        })
     }
 
-    pub async fn claim(
-        &self,
-        target: &Target,
-        session: &Session,
-        max: i64,
-    ) -> Result<Vec<Job>, RuntimeError> {
+    pub async fn claim(&self, target: &Target, session: &Session, max: i64) -> Result<Vec<Job>, RuntimeError> {
         let session_id = Uuid::parse_str(&session.session_id).unwrap_or_default();
         self.jobs.claim(target, session_id, max).await
     }
@@ -384,10 +308,7 @@ mod tests {
 
     #[test]
     fn tokens_route_to_their_identity_and_carry_256_random_bits() {
-        let t = Target {
-            server_instance_id: "srv-eu1.7".into(),
-            component_kind: "run".into(),
-        };
+        let t = Target { server_instance_id: "srv-eu1.7".into(), component_kind: "run".into() };
         let a = mint_token(&t).expect("token");
         let b = mint_token(&t).expect("token");
         assert_ne!(a, b);

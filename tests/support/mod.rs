@@ -51,11 +51,7 @@ pub fn control_plane() -> &'static ControlPlane {
 
 fn start_control_plane() -> ControlPlane {
     let assets = assets_dir();
-    let dir = std::env::temp_dir().join(format!(
-        "prism-cp-{}-{}",
-        std::process::id(),
-        uuid::Uuid::new_v4().simple()
-    ));
+    let dir = std::env::temp_dir().join(format!("prism-cp-{}-{}", std::process::id(), uuid::Uuid::new_v4().simple()));
     let mut child = Command::new(repo_root().join("scripts/control-plane"))
         .arg("run")
         .arg(&dir)
@@ -76,19 +72,9 @@ fn start_control_plane() -> ControlPlane {
             break;
         }
     }
-    let kubeconfig = kubeconfig
-        .unwrap_or_else(|| panic!("control plane did not start; logs in {}", dir.display()));
-    let cp = ControlPlane {
-        kubeconfig,
-        _stdin: Mutex::new(stdin),
-        _child: Mutex::new(child),
-    };
-    cp.kubectl_ok(&[
-        "apply",
-        "--server-side",
-        "-f",
-        repo_root().join("crds").to_str().expect("utf-8 path"),
-    ]);
+    let kubeconfig = kubeconfig.unwrap_or_else(|| panic!("control plane did not start; logs in {}", dir.display()));
+    let cp = ControlPlane { kubeconfig, _stdin: Mutex::new(stdin), _child: Mutex::new(child) };
+    cp.kubectl_ok(&["apply", "--server-side", "-f", repo_root().join("crds").to_str().expect("utf-8 path")]);
     cp.kubectl_ok(&[
         "wait",
         "--for=condition=Established",
@@ -112,18 +98,13 @@ impl ControlPlane {
         let mut child = Command::new(assets_dir().join("kubectl"))
             .args(args)
             .env("KUBECONFIG", &self.kubeconfig)
-            .stdin(if stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
+            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn kubectl");
         if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            pipe.write_all(input.as_bytes())
-                .expect("write kubectl stdin");
+            pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
         }
         let out = child.wait_with_output().expect("kubectl output");
         Output {
@@ -143,25 +124,16 @@ impl ControlPlane {
     /// runtime that made them, and every #[tokio::test] has its own).
     pub async fn client(&self) -> Client {
         let kc = Kubeconfig::read_from(&self.kubeconfig).expect("read kubeconfig");
-        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-            .await
-            .expect("kubeconfig");
+        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.expect("kubeconfig");
         Client::try_from(config).expect("kube client")
     }
 }
 
 /// A fresh namespace for one test.
 pub async fn namespace(client: &Client, hint: &str) -> String {
-    let name = format!(
-        "t-{hint}-{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
-    let ns: Namespace =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).expect("namespace");
-    Api::<Namespace>::all(client.clone())
-        .create(&Default::default(), &ns)
-        .await
-        .expect("create namespace");
+    let name = format!("t-{hint}-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).expect("namespace");
+    Api::<Namespace>::all(client.clone()).create(&Default::default(), &ns).await.expect("create namespace");
     name
 }
 
@@ -174,9 +146,7 @@ pub fn admin_database_url() -> String {
 
 pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| {
-        panic!(
-            "REDIS_URL is not set: run tests through scripts/test, or eval \"$(scripts/services)\""
-        )
+        panic!("REDIS_URL is not set: run tests through scripts/test, or eval \"$(scripts/services)\"")
     })
 }
 
@@ -207,11 +177,7 @@ impl TestDb {
     async fn create(migrate: bool) -> TestDb {
         let admin = admin_database_url();
         let name = format!("prism_test_{}", uuid::Uuid::new_v4().simple());
-        let admin_pool = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&admin)
-            .await
-            .expect("connect to Postgres");
+        let admin_pool = PgPoolOptions::new().max_connections(1).connect(&admin).await.expect("connect to Postgres");
         // The name is ours (a uuid), not input.
         sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
             .execute(&admin_pool)
@@ -219,15 +185,9 @@ impl TestDb {
             .expect("create test database");
         admin_pool.close().await;
         let url = with_database(&admin, &name);
-        let pool = PgPoolOptions::new()
-            .max_connections(8)
-            .connect(&url)
-            .await
-            .expect("connect to test database");
+        let pool = PgPoolOptions::new().max_connections(8).connect(&url).await.expect("connect to test database");
         if migrate {
-            prism_operator::db::migrate(&pool)
-                .await
-                .expect("migrations apply");
+            prism_operator::db::migrate(&pool).await.expect("migrations apply");
         }
         TestDb { name, url, pool }
     }
@@ -241,23 +201,14 @@ impl Drop for TestDb {
         let name = self.name.clone();
         let admin = admin_database_url();
         let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
                 return;
             };
             rt.block_on(async move {
-                if let Ok(admin_pool) = PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&admin)
-                    .await
-                {
-                    let _ = sqlx::query(AssertSqlSafe(format!(
-                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-                    )))
-                    .execute(&admin_pool)
-                    .await;
+                if let Ok(admin_pool) = PgPoolOptions::new().max_connections(1).connect(&admin).await {
+                    let _ = sqlx::query(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))
+                        .execute(&admin_pool)
+                        .await;
                     admin_pool.close().await;
                 }
             });
@@ -273,11 +224,7 @@ pub fn redis_prefix() -> String {
 
 /// A loopback port nobody listens on right now.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
 /// A `prism-operator run` process of the test's own, watching one namespace, killed on drop.
@@ -287,12 +234,7 @@ pub struct Operator {
 }
 
 impl Operator {
-    pub async fn start(
-        cp: &ControlPlane,
-        database_url: &str,
-        namespace: &str,
-        env: &[(&str, &str)],
-    ) -> Operator {
+    pub async fn start(cp: &ControlPlane, database_url: &str, namespace: &str, env: &[(&str, &str)]) -> Operator {
         let port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_prism-operator"))
             .arg("run")
@@ -303,30 +245,16 @@ impl Operator {
             .env("PRISM_LISTEN", format!("127.0.0.1:{port}"))
             .env("PRISM_WATCH_NAMESPACE", namespace)
             .env("PRISM_LEADER_ELECTION", "false")
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .spawn()
             .expect("prism-operator run starts");
-        let op = Operator {
-            base: format!("http://127.0.0.1:{port}"),
-            child,
-        };
+        let op = Operator { base: format!("http://127.0.0.1:{port}"), child };
         let http = reqwest::Client::new();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while http
-            .get(format!("{}/healthz", op.base))
-            .send()
-            .await
-            .is_err()
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "operator did not answer /healthz within 30 s"
-            );
+        while http.get(format!("{}/healthz", op.base)).send().await.is_err() {
+            assert!(std::time::Instant::now() < deadline, "operator did not answer /healthz within 30 s");
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         op
@@ -355,10 +283,7 @@ where
         if let Some(v) = check().await {
             return v;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out after {secs}s waiting for {what}"
-        );
+        assert!(std::time::Instant::now() < deadline, "timed out after {secs}s waiting for {what}");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
@@ -366,11 +291,7 @@ where
 /// A ServiceAccount in `namespace` bound to `verbs` on controllerregistrations there,
 /// and a token for it (TokenRequest, as `kubectl create token` does).
 pub fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str]) -> String {
-    let verbs = verbs
-        .iter()
-        .map(|v| format!("\"{v}\""))
-        .collect::<Vec<_>>()
-        .join(",");
+    let verbs = verbs.iter().map(|v| format!("\"{v}\"")).collect::<Vec<_>>().join(",");
     let manifest = format!(
         r#"{{"apiVersion":"v1","kind":"List","items":[
  {{"apiVersion":"v1","kind":"ServiceAccount","metadata":{{"name":"{sa}","namespace":"{namespace}"}}}},
@@ -382,9 +303,7 @@ pub fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str])
     );
     let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest));
     assert!(out.ok, "RBAC setup failed: {}", out.stderr);
-    cp.kubectl_ok(&["create", "token", sa, "-n", namespace])
-        .trim()
-        .to_string()
+    cp.kubectl_ok(&["create", "token", sa, "-n", namespace]).trim().to_string()
 }
 
 /// A PostgreSQL server of the test's own (initdb in a temp dir, loopback port), for
@@ -397,16 +316,10 @@ pub struct PrivatePostgres {
 
 impl PrivatePostgres {
     fn as_postgres_user(&self, args: &[&str]) -> std::process::Output {
-        let line = args
-            .iter()
-            .map(|a| format!("'{a}'"))
-            .collect::<Vec<_>>()
-            .join(" ");
+        let line = args.iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" ");
         // PostgreSQL refuses to run as root: as root, run it as the `postgres` user.
         let out = if nix_is_root() {
-            Command::new("su")
-                .args(["postgres", "-s", "/bin/sh", "-c", &line])
-                .output()
+            Command::new("su").args(["postgres", "-s", "/bin/sh", "-c", &line]).output()
         } else {
             Command::new("sh").args(["-c", &line]).output()
         };
@@ -423,18 +336,11 @@ impl PrivatePostgres {
         let dir = std::env::temp_dir().join(format!("prism-pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("pg dir");
         if nix_is_root() {
-            let ok = Command::new("chown")
-                .args(["postgres", dir.to_str().expect("utf-8")])
-                .status()
-                .expect("chown");
+            let ok = Command::new("chown").args(["postgres", dir.to_str().expect("utf-8")]).status().expect("chown");
             assert!(ok.success());
         }
         let port = free_port();
-        let pg = PrivatePostgres {
-            url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
-            dir,
-            bin,
-        };
+        let pg = PrivatePostgres { url: format!("postgres://postgres@127.0.0.1:{port}/postgres"), dir, bin };
         let data = pg.dir.join("data");
         let out = pg.as_postgres_user(&[
             pg.bin.join("initdb").to_str().expect("utf-8"),
@@ -444,11 +350,7 @@ impl PrivatePostgres {
             "-U",
             "postgres",
         ]);
-        assert!(
-            out.status.success(),
-            "initdb: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "initdb: {}", String::from_utf8_lossy(&out.stderr));
         let conf = format!(
             "port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nfsync = off\n",
             pg.dir.display()
@@ -478,11 +380,7 @@ impl PrivatePostgres {
         ];
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = self.as_postgres_user(&args);
-        assert!(
-            out.status.success(),
-            "pg_ctl {action}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "pg_ctl {action}: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
 
@@ -502,9 +400,5 @@ impl Drop for PrivatePostgres {
 }
 
 fn nix_is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| o.stdout.starts_with(b"0\n"))
-        .unwrap_or(false)
+    Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
 }

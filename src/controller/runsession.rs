@@ -1,0 +1,366 @@
+//! RunSession reconciler: mirrors the identity into Postgres, revokes sessions when the
+//! credential rotates or the resource goes, and projects the Redis lease into `status`.
+//! It comes back at the lease's own expiry, so an expired lease shows `Offline` promptly
+//! instead of at the next resync.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event as KubeEvent, EventType};
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::{Api, Resource, ResourceExt};
+use serde_json::json;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use super::{Context, ControllerError, FIELD_MANAGER, to_time};
+use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
+use crate::runtime::identity::{Identity, Mirror};
+use crate::runtime::{RuntimeError, Session};
+
+pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
+/// lastHeartbeat alone is written at most this often.
+const HEARTBEAT_STATUS_RESOLUTION: i64 = 10;
+
+impl From<RuntimeError> for ControllerError {
+    fn from(e: RuntimeError) -> Self {
+        ControllerError::Runtime(e)
+    }
+}
+
+fn identity_of(obj: &RunSession) -> Result<Identity, ControllerError> {
+    let uid = obj.uid().ok_or(ControllerError::MissingField("metadata.uid"))?;
+    Ok(Identity {
+        id: Uuid::parse_str(&uid).map_err(|_| ControllerError::MissingField("metadata.uid"))?,
+        namespace: obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?,
+        name: obj.name_any(),
+        server_instance_id: obj.spec.server_instance_id.clone(),
+        component_kind: obj.spec.component_kind.clone(),
+        public_key: obj.spec.credential.public_key.clone(),
+        key_generation: obj.spec.credential.generation,
+        lease_seconds: obj.spec.lease_seconds,
+    })
+}
+
+pub async fn reconcile(obj: Arc<RunSession>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
+    let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
+    let api: Api<RunSession> = Api::namespaced(ctx.client.clone(), &ns);
+    let started = std::time::Instant::now();
+    let result = finalizer(&api, FINALIZER, obj, |event| async {
+        match event {
+            Finalizer::Apply(obj) => apply(&obj, &api, &ctx).await,
+            Finalizer::Cleanup(obj) => cleanup(&obj, &ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| ControllerError::Finalizer(Box::new(e)));
+    ctx.metrics.reconciled("runsession", started.elapsed(), result.is_err());
+    result
+}
+
+async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result<Action, ControllerError> {
+    let identity = identity_of(obj)?;
+    let target = identity.target();
+    let previous = obj.status.clone().unwrap_or_default();
+    let now = Utc::now();
+    let generation = obj.metadata.generation;
+
+    let (next, requeue) = match ctx.runtime.identities.mirror(&identity).await? {
+        Mirror::Duplicate { owner_namespace, owner_name } => {
+            let msg = format!(
+                "{}/{} is already claimed by RunSession {owner_namespace}/{owner_name}; this one is not used",
+                identity.server_instance_id, identity.component_kind
+            );
+            (duplicate_status(&previous, generation, &msg, now), Duration::from_secs(30))
+        }
+        Mirror::Owned { rotated } => {
+            let mut rotated_now = false;
+            if rotated {
+                // Raising the generation revokes every older key, and the session it opened.
+                rotated_now = ctx.runtime.redis.revoke(&target).await.unwrap_or(false);
+                info!(name = %obj.name_any(), "credential rotated; live session revoked");
+            }
+            let lease = Duration::from_secs(u64::from(ctx.runtime.lease_seconds(&identity)));
+            match ctx.runtime.redis.session(&target).await {
+                Ok(session) => {
+                    // A session opened with an older key does not count.
+                    let session = session.filter(|s| s.generation == identity.key_generation);
+                    let requeue = match &session {
+                        // Come back right after the lease would end.
+                        Some(s) => Duration::from_millis(s.ttl_ms.clamp(0, lease.as_millis() as i64) as u64 + 250),
+                        None => lease,
+                    };
+                    (project(session.as_ref(), &previous, rotated_now, generation, now), requeue)
+                }
+                Err(e) => {
+                    warn!(name = %obj.name_any(), error = %e, "Redis unavailable; RunSession shown Unavailable");
+                    (unavailable(&previous, generation, now), Duration::from_secs(5))
+                }
+            }
+        }
+    };
+    if needs_write(&previous, &next) {
+        let patch = json!({"apiVersion": "prism.ntecdev.ai/v1alpha1", "kind": "RunSession", "status": next});
+        api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+    }
+    if previous.phase != next.phase {
+        let (type_, reason, note) = match next.phase {
+            RunPhase::Online => (
+                EventType::Normal,
+                "Online",
+                format!("session started, version {}", next.version.clone().unwrap_or_default()),
+            ),
+            RunPhase::Offline => {
+                (EventType::Normal, "Offline", format!("offline: {}", reason_str(next.unavailable_reason)))
+            }
+            RunPhase::Unavailable => {
+                (EventType::Warning, "Unavailable", "runtime registry (Redis) unavailable".to_string())
+            }
+            RunPhase::Pending => {
+                (EventType::Warning, "DuplicateIdentity", "identity claimed by another RunSession".to_string())
+            }
+        };
+        let event =
+            KubeEvent { type_, reason: reason.into(), note: Some(note), action: "Observe".into(), secondary: None };
+        if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
+            warn!(name = %obj.name_any(), error = %e, "could not record an Event");
+        }
+    }
+    Ok(Action::requeue(requeue))
+}
+
+/// Deleting the resource revokes the identity: the live session stops being accepted.
+/// Its queued jobs stay queued (they are durable, and addressed to the identity).
+async fn cleanup(obj: &RunSession, ctx: &Context) -> Result<Action, ControllerError> {
+    let identity = identity_of(obj)?;
+    if ctx.runtime.identities.revoke(identity.id).await? {
+        ctx.runtime.redis.revoke(&identity.target()).await?;
+        info!(name = %obj.name_any(), "RunSession deleted; identity revoked");
+    }
+    Ok(Action::await_change())
+}
+
+fn reason_str(r: Option<UnavailableReason>) -> &'static str {
+    match r {
+        Some(UnavailableReason::RedisUnavailable) => "redis_unavailable",
+        Some(UnavailableReason::LeaseExpired) => "lease_expired",
+        Some(UnavailableReason::Superseded) => "superseded",
+        Some(UnavailableReason::CredentialRotated) => "credential_rotated",
+        None => "none",
+    }
+}
+
+fn ms_time(ms: i64) -> Option<Time> {
+    DateTime::<Utc>::from_timestamp_millis(ms).map(to_time)
+}
+
+fn condition(
+    previous: &RunSessionStatus,
+    type_: &str,
+    ok: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> Condition {
+    let status = if ok { "True" } else { "False" }.to_string();
+    let last_transition_time = previous
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or_else(|| to_time(now));
+    Condition {
+        type_: type_.into(),
+        status,
+        reason: reason.into(),
+        message: message.into(),
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
+/// The safe projection of a session into status (pure): never a token, hash, key name or
+/// credential — only what a platform engineer needs to see.
+pub fn project(
+    session: Option<&Session>,
+    previous: &RunSessionStatus,
+    credential_rotated: bool,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> RunSessionStatus {
+    match session {
+        Some(s) => {
+            let target: Option<RunTarget> = serde_json::from_str::<serde_json::Value>(&s.target).ok().and_then(|v| {
+                Some(RunTarget { os: v.get("os")?.as_str()?.into(), arch: v.get("arch")?.as_str()?.into() })
+            });
+            RunSessionStatus {
+                phase: RunPhase::Online,
+                online: true,
+                last_heartbeat: ms_time(s.last_heartbeat_ms),
+                session_started_at: ms_time(s.started_at_ms),
+                version: (!s.version.is_empty()).then(|| s.version.clone()),
+                target,
+                capabilities: serde_json::from_str(&s.capabilities).unwrap_or_default(),
+                capacity: serde_json::from_str(&s.capacity).unwrap_or_default(),
+                unavailable_reason: None,
+                observed_generation: generation,
+                conditions: vec![
+                    condition(previous, "Ready", true, "Identity", "identity registered", generation, now),
+                    condition(previous, "Online", true, "LeaseHeld", "session lease held", generation, now),
+                ],
+            }
+        }
+        None => {
+            let ever = previous.last_heartbeat.is_some() || previous.session_started_at.is_some();
+            let reason = if credential_rotated {
+                Some(UnavailableReason::CredentialRotated)
+            } else if !ever {
+                None
+            } else {
+                match previous.unavailable_reason {
+                    Some(r @ (UnavailableReason::CredentialRotated | UnavailableReason::Superseded))
+                        if previous.phase == RunPhase::Offline =>
+                    {
+                        Some(r)
+                    }
+                    _ => Some(UnavailableReason::LeaseExpired),
+                }
+            };
+            let phase = if ever || credential_rotated { RunPhase::Offline } else { RunPhase::Pending };
+            let msg = match phase {
+                RunPhase::Pending => "never connected".to_string(),
+                _ => format!("no session lease ({})", reason_str(reason)),
+            };
+            RunSessionStatus {
+                phase,
+                online: false,
+                // The last known facts stay visible while offline.
+                last_heartbeat: previous.last_heartbeat.clone(),
+                session_started_at: previous.session_started_at.clone(),
+                version: previous.version.clone(),
+                target: previous.target.clone(),
+                capabilities: previous.capabilities.clone(),
+                capacity: previous.capacity.clone(),
+                unavailable_reason: reason,
+                observed_generation: generation,
+                conditions: vec![
+                    condition(previous, "Ready", true, "Identity", "identity registered", generation, now),
+                    condition(
+                        previous,
+                        "Online",
+                        false,
+                        if ever { "LeaseExpired" } else { "NeverConnected" },
+                        &msg,
+                        generation,
+                        now,
+                    ),
+                ],
+            }
+        }
+    }
+}
+
+fn unavailable(previous: &RunSessionStatus, generation: Option<i64>, now: DateTime<Utc>) -> RunSessionStatus {
+    RunSessionStatus {
+        phase: RunPhase::Unavailable,
+        online: false,
+        unavailable_reason: Some(UnavailableReason::RedisUnavailable),
+        observed_generation: generation,
+        conditions: vec![
+            condition(previous, "Ready", true, "Identity", "identity registered", generation, now),
+            condition(
+                previous,
+                "Online",
+                false,
+                "RegistryUnavailable",
+                "runtime registry (Redis) unavailable",
+                generation,
+                now,
+            ),
+        ],
+        ..previous.clone()
+    }
+}
+
+fn duplicate_status(
+    previous: &RunSessionStatus,
+    generation: Option<i64>,
+    msg: &str,
+    now: DateTime<Utc>,
+) -> RunSessionStatus {
+    RunSessionStatus {
+        phase: RunPhase::Pending,
+        observed_generation: generation,
+        conditions: vec![condition(previous, "Ready", false, "DuplicateIdentity", msg, generation, now)],
+        ..Default::default()
+    }
+}
+
+fn needs_write(previous: &RunSessionStatus, next: &RunSessionStatus) -> bool {
+    let secs = |t: &Option<Time>| t.as_ref().map(|t| t.0.as_second());
+    let beat_moved = match (secs(&previous.last_heartbeat), secs(&next.last_heartbeat)) {
+        (Some(a), Some(b)) => (b - a).abs() >= HEARTBEAT_STATUS_RESOLUTION,
+        (a, b) => a != b,
+    };
+    let strip = |s: &RunSessionStatus| RunSessionStatus { last_heartbeat: None, ..s.clone() };
+    beat_moved || strip(previous) != strip(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session() -> Session {
+        Session {
+            session_id: "s".into(),
+            generation: 1,
+            started_at_ms: 1_700_000_000_000,
+            last_heartbeat_ms: 1_700_000_005_000,
+            version: "1.4.2".into(),
+            target: r#"{"os":"linux","arch":"amd64"}"#.into(),
+            capabilities: r#"["lifecycle","config"]"#.into(),
+            capacity: r#"{"slots":4}"#.into(),
+            ttl_ms: 20_000,
+        }
+    }
+
+    #[test]
+    fn online_offline_and_pending() {
+        let now = Utc::now();
+        let pending = project(None, &Default::default(), false, Some(1), now);
+        assert_eq!((pending.phase, pending.online, pending.unavailable_reason), (RunPhase::Pending, false, None));
+        let online = project(Some(&session()), &pending, false, Some(1), now);
+        assert_eq!(online.phase, RunPhase::Online);
+        assert_eq!(online.version.as_deref(), Some("1.4.2"));
+        assert_eq!(online.capacity.get("slots"), Some(&4));
+        assert_eq!(online.target, Some(RunTarget { os: "linux".into(), arch: "amd64".into() }));
+        let offline = project(None, &online, false, Some(1), now);
+        assert_eq!(
+            (offline.phase, offline.unavailable_reason),
+            (RunPhase::Offline, Some(UnavailableReason::LeaseExpired))
+        );
+        assert_eq!(offline.version.as_deref(), Some("1.4.2"), "last known facts stay");
+        let rotated = project(None, &online, true, Some(2), now);
+        assert_eq!(rotated.unavailable_reason, Some(UnavailableReason::CredentialRotated));
+        let still = project(None, &rotated, false, Some(2), now);
+        assert_eq!(
+            still.unavailable_reason,
+            Some(UnavailableReason::CredentialRotated),
+            "the reason sticks while offline"
+        );
+    }
+
+    #[test]
+    fn status_never_carries_secrets() {
+        let text = serde_json::to_string(&project(Some(&session()), &Default::default(), false, Some(1), Utc::now()))
+            .expect("json");
+        for secret in ["token", "hash", "prism:", "publicKey", "private"] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+    }
+}
