@@ -27,6 +27,12 @@ pub enum Command {
     },
     /// Apply the database migrations (idempotent).
     Migrate(DatabaseArgs),
+    /// Key pairs for Runs.
+    #[command(subcommand)]
+    Credential(CredentialCommand),
+    /// A minimal Run: hello with a key file, heartbeat, claim jobs (watch its RunSession
+    /// go Online in `kubectl get rsess`).
+    RunAgent(RunAgentArgs),
     /// Print a project's routing table (master, peers, stale) from the resources' status.
     Status {
         project_id: String,
@@ -36,6 +42,41 @@ pub enum Command {
         #[arg(short, long, value_enum, default_value = "table")]
         output: OutputFormat,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CredentialCommand {
+    /// Create an Ed25519 key pair for a Run: the private key goes to a file (mode 0600),
+    /// the `spec.credential` block for its RunSession is printed.
+    New {
+        /// Where to write the private key (refuses to overwrite without --force).
+        #[arg(long, default_value = "run.key")]
+        key_file: PathBuf,
+        /// The credential generation (raise it to rotate: older keys stop working).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(i64).range(1..))]
+        generation: i64,
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct RunAgentArgs {
+    /// The operator's HTTP API.
+    #[arg(long, env = "PRISM_API", default_value = "http://127.0.0.1:8080")]
+    pub api: String,
+    #[arg(long)]
+    pub server_instance_id: String,
+    #[arg(long, default_value = "run")]
+    pub component_kind: String,
+    #[arg(long, default_value_t = 1)]
+    pub generation: i64,
+    /// Private key file from `credential new`.
+    #[arg(long, default_value = "run.key")]
+    pub key_file: PathBuf,
+    /// Complete claimed jobs as succeeded (a demo worker); without it jobs are only acknowledged.
+    #[arg(long)]
+    pub complete_jobs: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]

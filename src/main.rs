@@ -1,8 +1,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use prism_operator::config::{Cli, Command};
-use prism_operator::{crd, db, server, status_cmd, telemetry};
+use prism_operator::config::{Cli, Command, CredentialCommand};
+use prism_operator::{agent_cmd, crd, db, server, status_cmd, telemetry};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -25,9 +25,7 @@ async fn main() -> ExitCode {
         }
     };
     telemetry::init(cli.log.log_format);
-    // One TLS provider for every client (kube, sqlx), whatever features a dependency
-    // turns on; two compiled-in providers would otherwise make rustls refuse to choose.
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    prism_operator::install_crypto_provider();
     match run(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -55,6 +53,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
             println!("migrations applied");
         }
         Command::Run(args) => server::run(*args).await?,
+        Command::Credential(CredentialCommand::New { key_file, generation, force }) => {
+            agent_cmd::credential_new(&key_file, generation, force)?
+        }
+        Command::RunAgent(args) => agent_cmd::run_agent(args).await?,
         Command::Status { project_id, namespace, output } => status_cmd::run(&project_id, namespace, output).await?,
     }
     Ok(())

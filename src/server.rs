@@ -75,6 +75,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Duration::from_secs(u64::from(args.sweep_interval_seconds)),
     ));
     tokio::spawn(controller::run_reaper(ctx.clone(), REAPER_INTERVAL));
+    tokio::spawn(controller::run_registry_watch(ctx.clone(), Duration::from_secs(2)));
 
     let agents = AgentService {
         client: kube.clone(),

@@ -95,7 +95,7 @@ async fn run_serves_health_and_readiness() {
             .spawn()
             .expect("run starts"),
     );
-    let http = reqwest::Client::new();
+    let http = support::http();
     let base = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -138,7 +138,7 @@ async fn readyz_reports_an_unreachable_redis() {
             .spawn()
             .expect("run starts"),
     );
-    let http = reqwest::Client::new();
+    let http = support::http();
     let deadline = Instant::now() + Duration::from_secs(30);
     let body: serde_json::Value = loop {
         if let Ok(r) = http.get(format!("http://127.0.0.1:{port}/readyz")).send().await {

@@ -140,7 +140,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
-    let http = reqwest::Client::new();
+    let http = support::http();
     let register = |project: &'static str, session: &'static str, surface: &'static str| {
         let req = http
             .post(op.url("/api/v1/controller/register"))
@@ -361,7 +361,7 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let reader = support::agent_token(cp, &ns, "reader", &["get", "list"]);
-    let http = reqwest::Client::new();
+    let http = support::http();
     let body = json!({"namespace": ns, "project_id": "P", "session_id": "s", "agent_surface": "codex"});
     let post = |token: Option<&str>, body: &Value| {
         let mut req = http.post(op.url("/api/v1/controller/register")).json(body);
@@ -448,7 +448,7 @@ async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
     pg.ctl("stop");
     // While Postgres is down: readiness says so, and a wrap cannot complete (the
     // finalizer holds the resource until the release is committed).
-    let http = reqwest::Client::new();
+    let http = support::http();
     eventually(10, "readyz reports postgres down", || async {
         let r = http.get(op.url("/readyz")).send().await.ok()?;
         (r.status() == 503).then_some(())

@@ -110,7 +110,13 @@ impl Authorizer {
 
     /// SubjectAccessReview: may `caller` do `verb` on `resource` in `namespace`?
     /// 403 `forbidden` if not.
-    pub async fn authorize(&self, caller: &Caller, verb: &str, resource: &str, namespace: &str) -> Result<(), ApiError> {
+    pub async fn authorize(
+        &self,
+        caller: &Caller,
+        verb: &str,
+        resource: &str,
+        namespace: &str,
+    ) -> Result<(), ApiError> {
         self.authorize_named(caller, verb, resource, namespace, None).await
     }
 

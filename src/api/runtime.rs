@@ -75,7 +75,10 @@ fn session_refused(r: SessionRefused) -> ApiError {
     ApiError::unauthenticated(r.code(), message)
 }
 
-pub async fn hello(State(state): State<Arc<AppState>>, ApiJson(body): ApiJson<Hello>) -> Result<(StatusCode, Json<Granted>), ApiError> {
+pub async fn hello(
+    State(state): State<Arc<AppState>>,
+    ApiJson(body): ApiJson<Hello>,
+) -> Result<(StatusCode, Json<Granted>), ApiError> {
     match state.runtime.hello(&body, Utc::now()).await? {
         Ok((identity, granted)) => {
             state.triggers.runsession(&identity.namespace, &identity.name);
@@ -94,7 +97,11 @@ pub struct HeartbeatBody {
     capacity: Option<BTreeMap<String, i64>>,
 }
 
-pub async fn heartbeat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Result<Json<Value>, ApiError> {
+pub async fn heartbeat(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     let token = session_token(&headers)?;
     let body: Option<HeartbeatBody> = optional_json(&body)?;
     let (caps, cap) = body.map(|b| (b.capabilities, b.capacity)).unwrap_or_default();
@@ -148,7 +155,10 @@ pub async fn enqueue(
     let caller = state.auth.authenticate(&headers).await?;
     let target = Target { server_instance_id: body.server_instance_id, component_kind: body.component_kind };
     let Some(identity) = state.runtime.identities.live(&target).await? else {
-        return Err(ApiError::not_found("unknown_identity", "no RunSession has this server_instance_id/component_kind"));
+        return Err(ApiError::not_found(
+            "unknown_identity",
+            "no RunSession has this server_instance_id/component_kind",
+        ));
     };
     state.auth.authorize_named(&caller, "update", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
     let payload = if body.payload.is_null() { json!({}) } else { body.payload };
@@ -162,7 +172,11 @@ pub struct ClaimBody {
     max: Option<i64>,
 }
 
-pub async fn claim(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Result<Json<Value>, ApiError> {
+pub async fn claim(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     let max = optional_json::<ClaimBody>(&body)?.and_then(|b| b.max).unwrap_or(1);
     if !(1..=MAX_CLAIM).contains(&max) {
         return Err(ApiError::invalid(format!("max must be 1 to {MAX_CLAIM}")));
@@ -209,8 +223,9 @@ pub async fn job_step(
             (Step::Progress, Some(b.progress))
         }
         "complete" => {
-            let b: CompleteBody = optional_json(&body)?
-                .ok_or_else(|| ApiError::invalid("body {\"outcome\": \"succeeded\"|\"failed\", \"result\": {...}} is required"))?;
+            let b: CompleteBody = optional_json(&body)?.ok_or_else(|| {
+                ApiError::invalid("body {\"outcome\": \"succeeded\"|\"failed\", \"result\": {...}} is required")
+            })?;
             (Step::Complete { succeeded: matches!(b.outcome, Outcome::Succeeded) }, Some(b.result.unwrap_or(json!({}))))
         }
         _ => return Err(ApiError::not_found("not_found", "no such endpoint")),
@@ -257,7 +272,8 @@ pub async fn server_status(
     let mut components = Vec::new();
     for identity in &identities {
         state.auth.authorize_named(&caller, "get", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
-        let session = state.runtime.redis.session(&identity.target()).await?.filter(|s| s.generation == identity.key_generation);
+        let session =
+            state.runtime.redis.session(&identity.target()).await?.filter(|s| s.generation == identity.key_generation);
         let ms = |v: i64| DateTime::<Utc>::from_timestamp_millis(v);
         components.push(match session {
             Some(s) => ComponentStatus {

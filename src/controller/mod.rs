@@ -174,3 +174,33 @@ pub async fn run_reaper(ctx: Arc<Context>, interval: Duration) {
         }
     }
 }
+
+/// Watches the runtime registry's availability: when Redis goes away or comes back,
+/// every RunSession is reconciled at once, so `Unavailable` (and the return to
+/// `Online`/`Offline`) shows within seconds instead of at each lease's next check.
+pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
+    let mut was_up = true;
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let up = ctx.runtime.redis.ping().await.is_ok();
+        if up == was_up {
+            continue;
+        }
+        was_up = up;
+        if up {
+            info!("runtime registry (Redis) is back");
+        } else {
+            warn!("runtime registry (Redis) is unavailable");
+        }
+        match ctx.runtime.identities.all_live().await {
+            Ok(all) => {
+                for (namespace, name) in all {
+                    ctx.triggers.runsession(&namespace, &name);
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot list Run identities to refresh their status"),
+        }
+    }
+}

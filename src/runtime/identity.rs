@@ -116,6 +116,13 @@ impl IdentityStore {
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(server_instance_id).fetch_all(&self.pool).await?)
     }
 
+    /// (namespace, name) of every resource that owns a live identity.
+    pub async fn all_live(&self) -> Result<Vec<(String, String)>, RuntimeError> {
+        Ok(sqlx::query_as("SELECT namespace, name FROM run_identities WHERE revoked_at IS NULL")
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
     /// Whether this resource currently owns its identity.
     pub async fn owns(&self, id: Uuid) -> Result<bool, RuntimeError> {
         Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM run_identities WHERE id = $1 AND revoked_at IS NULL)")

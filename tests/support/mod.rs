@@ -123,6 +123,7 @@ impl ControlPlane {
     /// A client for the calling test's own runtime (a client's connections belong to the
     /// runtime that made them, and every #[tokio::test] has its own).
     pub async fn client(&self) -> Client {
+        prism_operator::install_crypto_provider();
         let kc = Kubeconfig::read_from(&self.kubeconfig).expect("read kubeconfig");
         let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.expect("kubeconfig");
         Client::try_from(config).expect("kube client")
@@ -230,12 +231,17 @@ pub fn free_port() -> u16 {
 /// A `prism-operator run` process of the test's own, watching one namespace, killed on drop.
 pub struct Operator {
     pub base: String,
+    /// Everything the process printed (stdout and stderr).
+    pub log: PathBuf,
     child: Child,
 }
 
 impl Operator {
     pub async fn start(cp: &ControlPlane, database_url: &str, namespace: &str, env: &[(&str, &str)]) -> Operator {
         let port = free_port();
+        let log = std::env::temp_dir().join(format!("prism-operator-{port}-{}.log", uuid::Uuid::new_v4().simple()));
+        let out = std::fs::File::create(&log).expect("log file");
+        let err = out.try_clone().expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_prism-operator"))
             .arg("run")
             .env("DATABASE_URL", database_url)
@@ -246,12 +252,15 @@ impl Operator {
             .env("PRISM_WATCH_NAMESPACE", namespace)
             .env("PRISM_LEADER_ELECTION", "false")
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .env("PRISM_LOG_FORMAT", "json")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
             .spawn()
             .expect("prism-operator run starts");
-        let op = Operator { base: format!("http://127.0.0.1:{port}"), child };
-        let http = reqwest::Client::new();
+        let op = Operator { base: format!("http://127.0.0.1:{port}"), log, child };
+        let http = http();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         while http.get(format!("{}/healthz", op.base)).send().await.is_err() {
             assert!(std::time::Instant::now() < deadline, "operator did not answer /healthz within 30 s");
@@ -262,6 +271,10 @@ impl Operator {
 
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
 
@@ -291,12 +304,18 @@ where
 /// A ServiceAccount in `namespace` bound to `verbs` on controllerregistrations there,
 /// and a token for it (TokenRequest, as `kubectl create token` does).
 pub fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str]) -> String {
+    sa_token(cp, namespace, sa, "controllerregistrations", verbs)
+}
+
+/// A ServiceAccount bound to `verbs` on `resource` (group prism.ntecdev.ai) in `namespace`,
+/// and a token for it.
+pub fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) -> String {
     let verbs = verbs.iter().map(|v| format!("\"{v}\"")).collect::<Vec<_>>().join(",");
     let manifest = format!(
         r#"{{"apiVersion":"v1","kind":"List","items":[
  {{"apiVersion":"v1","kind":"ServiceAccount","metadata":{{"name":"{sa}","namespace":"{namespace}"}}}},
  {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"Role","metadata":{{"name":"{sa}","namespace":"{namespace}"}},
-  "rules":[{{"apiGroups":["prism.ntecdev.ai"],"resources":["controllerregistrations"],"verbs":[{verbs}]}}]}},
+  "rules":[{{"apiGroups":["prism.ntecdev.ai"],"resources":["{resource}"],"verbs":[{verbs}]}}]}},
  {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"RoleBinding","metadata":{{"name":"{sa}","namespace":"{namespace}"}},
   "roleRef":{{"apiGroup":"rbac.authorization.k8s.io","kind":"Role","name":"{sa}"}},
   "subjects":[{{"kind":"ServiceAccount","name":"{sa}","namespace":"{namespace}"}}]}}]}}"#
@@ -401,4 +420,59 @@ impl Drop for PrivatePostgres {
 
 fn nix_is_root() -> bool {
     Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
+}
+
+/// A redis-server of the test's own on a loopback port, to stop, start and flush.
+pub struct PrivateRedis {
+    pub port: u16,
+    pub url: String,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    pub fn start() -> PrivateRedis {
+        let port = free_port();
+        let mut r = PrivateRedis { port, url: format!("redis://127.0.0.1:{port}"), child: None };
+        r.up();
+        r
+    }
+
+    pub fn up(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server (scripts/services installs it)");
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    pub fn down(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn flushall(&self) {
+        let ok =
+            Command::new("redis-cli").args(["-p", &self.port.to_string(), "FLUSHALL"]).output().expect("redis-cli");
+        assert!(ok.status.success());
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.down();
+    }
+}
+
+/// An HTTP client for talking to the operator (plain HTTP on loopback).
+pub fn http() -> reqwest::Client {
+    prism_operator::install_crypto_provider();
+    reqwest::Client::new()
 }

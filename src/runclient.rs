@@ -1,0 +1,203 @@
+//! A Run's side of the runtime wire format (SPEC §8): sign a hello with the Run's
+//! Ed25519 key, heartbeat the session, claim jobs and report on them. Used by
+//! `prism-operator run-agent`, the tests and the benchmark; third-party Runs implement
+//! the same few calls in their own language.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use ed25519_dalek::{Signer, SigningKey};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::runtime::jobs::Job;
+use crate::runtime::proof;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("HTTP: {0}")]
+    Http(#[from] reqwest::Error),
+    /// The operator said no: HTTP status and the error code of the body.
+    #[error("{status} {code}: {message}")]
+    Refused { status: u16, code: String, message: String },
+    #[error("no session: say hello first")]
+    NoSession,
+    #[error("key file: {0}")]
+    Key(String),
+}
+
+impl ClientError {
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ClientError::Refused { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct Granted {
+    pub session_token: String,
+    pub lease_ttl_seconds: u64,
+    pub heartbeat_interval_seconds: u64,
+}
+
+/// A new Ed25519 key pair: (private key bytes, standard base64 public key).
+pub fn new_key() -> Result<(SigningKey, String), ClientError> {
+    let mut seed = [0u8; 32];
+    getrandom::fill(&mut seed).map_err(|e| ClientError::Key(e.to_string()))?;
+    let key = SigningKey::from_bytes(&seed);
+    let public = STANDARD.encode(key.verifying_key().to_bytes());
+    Ok((key, public))
+}
+
+/// Key files hold the 32-byte seed as standard base64 on one line.
+pub fn key_to_file_text(key: &SigningKey) -> String {
+    format!("{}\n", STANDARD.encode(key.to_bytes()))
+}
+
+pub fn read_key(path: &Path) -> Result<SigningKey, ClientError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ClientError::Key(format!("{}: {e}", path.display())))?;
+    let seed: [u8; 32] = STANDARD
+        .decode(text.trim())
+        .ok()
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| ClientError::Key(format!("{}: not a base64 Ed25519 seed", path.display())))?;
+    Ok(SigningKey::from_bytes(&seed))
+}
+
+fn random_nonce() -> String {
+    let mut b = [0u8; 18];
+    // A failed entropy read still yields a unique-enough nonce from the clock; the
+    // operator's replay guard rejects a repeat anyway.
+    if getrandom::fill(&mut b).is_err() {
+        b[..16].copy_from_slice(
+            &std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos()
+                .to_le_bytes(),
+        );
+    }
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b)
+}
+
+pub struct RunClient {
+    http: reqwest::Client,
+    base: String,
+    pub server_instance_id: String,
+    pub component_kind: String,
+    pub generation: i64,
+    key: SigningKey,
+    pub token: Option<String>,
+    pub version: String,
+    pub capabilities: Vec<String>,
+    pub capacity: BTreeMap<String, i64>,
+}
+
+async fn answer<T: serde::de::DeserializeOwned>(r: reqwest::Response) -> Result<T, ClientError> {
+    let status = r.status();
+    if status.is_success() {
+        return Ok(r.json().await?);
+    }
+    let body: Value = r.json().await.unwrap_or(Value::Null);
+    Err(ClientError::Refused {
+        status: status.as_u16(),
+        code: body["error"]["code"].as_str().unwrap_or("unknown").to_string(),
+        message: body["error"]["message"].as_str().unwrap_or_default().to_string(),
+    })
+}
+
+impl RunClient {
+    pub fn new(base: &str, server_instance_id: &str, component_kind: &str, generation: i64, key: SigningKey) -> Self {
+        crate::install_crypto_provider();
+        Self {
+            http: reqwest::Client::new(),
+            base: base.trim_end_matches('/').to_string(),
+            server_instance_id: server_instance_id.into(),
+            component_kind: component_kind.into(),
+            generation,
+            key,
+            token: None,
+            version: env!("CARGO_PKG_VERSION").into(),
+            capabilities: vec!["lifecycle".into(), "config".into()],
+            capacity: [("slots".to_string(), 4)].into(),
+        }
+    }
+
+    /// Points the client at another operator replica (same session).
+    pub fn set_base(&mut self, base: &str) {
+        self.base = base.trim_end_matches('/').to_string();
+    }
+
+    /// The signed hello body for `timestamp` and `nonce` (SPEC §8).
+    pub fn hello_body(&self, timestamp: i64, nonce: &str) -> Value {
+        let message =
+            proof::hello_message(&self.server_instance_id, &self.component_kind, self.generation, timestamp, nonce);
+        let signature = STANDARD.encode(self.key.sign(message.as_bytes()).to_bytes());
+        json!({
+            "server_instance_id": self.server_instance_id,
+            "component_kind": self.component_kind,
+            "key_generation": self.generation,
+            "timestamp": timestamp,
+            "nonce": nonce,
+            "signature": signature,
+            "version": self.version,
+            "target": {"os": std::env::consts::OS, "arch": if std::env::consts::ARCH == "x86_64" { "amd64" } else { std::env::consts::ARCH }},
+            "capabilities": self.capabilities,
+            "capacity": self.capacity,
+        })
+    }
+
+    pub async fn post_hello(&self, body: &Value) -> Result<Granted, ClientError> {
+        answer(self.http.post(format!("{}/api/v1/runtime/hello", self.base)).json(body).send().await?).await
+    }
+
+    /// Proves possession of the key and keeps the session token.
+    pub async fn hello(&mut self) -> Result<Granted, ClientError> {
+        let now = chrono::Utc::now().timestamp();
+        let granted = self.post_hello(&self.hello_body(now, &random_nonce())).await?;
+        self.token = Some(granted.session_token.clone());
+        Ok(granted)
+    }
+
+    fn token(&self) -> Result<&str, ClientError> {
+        self.token.as_deref().ok_or(ClientError::NoSession)
+    }
+
+    pub async fn heartbeat(&self) -> Result<Value, ClientError> {
+        let body = json!({"capabilities": self.capabilities, "capacity": self.capacity});
+        let r = self
+            .http
+            .post(format!("{}/api/v1/runtime/heartbeat", self.base))
+            .bearer_auth(self.token()?)
+            .json(&body)
+            .send()
+            .await?;
+        answer(r).await
+    }
+
+    pub async fn claim(&self, max: i64) -> Result<Vec<Job>, ClientError> {
+        let r = self
+            .http
+            .post(format!("{}/api/v1/runtime/jobs/claim", self.base))
+            .bearer_auth(self.token()?)
+            .json(&json!({"max": max}))
+            .send()
+            .await?;
+        let v: Value = answer(r).await?;
+        Ok(serde_json::from_value(v["jobs"].clone()).unwrap_or_default())
+    }
+
+    /// `action` is `ack`, `progress` or `complete`.
+    pub async fn step(&self, job: &uuid::Uuid, action: &str, body: Option<Value>) -> Result<Job, ClientError> {
+        let mut req =
+            self.http.post(format!("{}/api/v1/runtime/jobs/{job}/{action}", self.base)).bearer_auth(self.token()?);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        answer(req.send().await?).await
+    }
+}

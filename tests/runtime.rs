@@ -1,0 +1,432 @@
+//! The runtime session registry end to end: real kube-apiserver, Postgres and Redis (a
+//! private redis-server per test, so it can be stopped and flushed), the operator
+//! process, and a Run speaking the wire format of SPEC §8.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use ed25519_dalek::SigningKey;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
+use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec, UnavailableReason};
+use prism_operator::runclient::{self, RunClient};
+use serde_json::{Value, json};
+use support::{Operator, PrivateRedis, TestDb, control_plane, eventually};
+
+struct World {
+    cp: &'static support::ControlPlane,
+    client: kube::Client,
+    ns: String,
+    db: TestDb,
+    redis: PrivateRedis,
+    prefix: String,
+    op: Operator,
+    api: Api<RunSession>,
+}
+
+async fn world(hint: &str, env: &[(&str, &str)]) -> World {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, hint).await;
+    let db = TestDb::new().await;
+    let redis = PrivateRedis::start();
+    let prefix = support::redis_prefix();
+    let mut all = vec![("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_PREFIX", prefix.as_str())];
+    all.extend_from_slice(env);
+    let op = Operator::start(cp, &db.url, &ns, &all).await;
+    let api = Api::namespaced(client.clone(), &ns);
+    World { cp, client, ns, db, redis, prefix, op, api }
+}
+
+impl World {
+    /// A RunSession with a fresh key, and a client holding that key.
+    async fn run(&self, name: &str, server: &str, lease: Option<i32>) -> RunClient {
+        let (key, public) = runclient::new_key().expect("key");
+        let spec = RunSessionSpec {
+            server_instance_id: server.into(),
+            component_kind: "run".into(),
+            credential: RunCredential { public_key: public, generation: 1 },
+            lease_seconds: lease,
+        };
+        self.api.create(&PostParams::default(), &RunSession::new(name, spec)).await.expect("create RunSession");
+        eventually(10, "identity mirrored", || async {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM run_identities WHERE server_instance_id = $1 AND revoked_at IS NULL",
+            )
+            .bind(server)
+            .fetch_one(&self.db.pool)
+            .await
+            .ok()?;
+            (n == 1).then_some(())
+        })
+        .await;
+        RunClient::new(&self.op.base, server, "run", 1, key)
+    }
+
+    async fn phase(&self, name: &str, want: RunPhase, secs: u64) -> RunSession {
+        eventually(secs, &format!("{name} {want:?}"), || async {
+            let r = self.api.get_opt(name).await.ok().flatten()?;
+            (r.status.as_ref()?.phase == want).then_some(r)
+        })
+        .await
+    }
+
+    fn enqueue_token(&self) -> String {
+        support::sa_token(self.cp, &self.ns, "dispatcher", "runsessions", &["get", "update"])
+    }
+
+    async fn enqueue(&self, token: &str, server: &str, kind: &str) -> reqwest::Response {
+        support::http()
+            .post(self.op.url("/api/v1/runtime/jobs"))
+            .bearer_auth(token)
+            .json(&json!({"server_instance_id": server, "component_kind": "run", "kind": kind, "payload": {"n": 1}}))
+            .send()
+            .await
+            .expect("enqueue")
+    }
+}
+
+fn code(e: &runclient::ClientError) -> &str {
+    e.code().unwrap_or("not a refusal")
+}
+
+#[tokio::test]
+async fn hello_heartbeat_supersede_and_online_status() {
+    let w = world("hello", &[]).await;
+    let mut run = w.run("srv-1-run", "srv-1", None).await;
+    w.phase("srv-1-run", RunPhase::Pending, 10).await;
+
+    let granted = run.hello().await.expect("valid hello");
+    assert_eq!(granted.lease_ttl_seconds, 30);
+    assert_eq!(granted.heartbeat_interval_seconds, 10);
+    let online = w.phase("srv-1-run", RunPhase::Online, 5).await;
+    let st = online.status.expect("status");
+    assert!(st.online);
+    assert_eq!(st.version.as_deref(), Some(env!("CARGO_PKG_VERSION")));
+    assert_eq!(st.capabilities, ["lifecycle", "config"]);
+    assert_eq!(st.capacity.get("slots"), Some(&4));
+    let out = w.cp.kubectl_ok(&["get", "rsess", "-n", &w.ns, "--no-headers"]);
+    assert!(out.contains("srv-1") && out.contains("Online"), "{out}");
+
+    // Heartbeat renews the lease and stores the snapshot.
+    run.capacity.insert("slots".into(), 2);
+    let beat = run.heartbeat().await.expect("heartbeat");
+    assert!(beat["lease_ttl_seconds"].as_u64().is_some_and(|s| s > 25), "{beat}");
+
+    // A second hello rotates the token: the first stops authorizing at once.
+    let first = run.token.clone().expect("token");
+    run.hello().await.expect("second hello");
+    let mut old = RunClient::new(&w.op.base, "srv-1", "run", 1, SigningKey::from_bytes(&[1; 32]));
+    old.token = Some(first);
+    assert_eq!(code(&old.heartbeat().await.expect_err("superseded")), "session_superseded");
+    assert_eq!(code(&old.claim(1).await.expect_err("superseded")), "session_superseded");
+    run.heartbeat().await.expect("the new token works");
+    assert_eq!(
+        code(
+            &RunClient::new(&w.op.base, "srv-1", "run", 1, SigningKey::from_bytes(&[1; 32]))
+                .heartbeat()
+                .await
+                .expect_err("no token")
+        ),
+        "not a refusal"
+    );
+}
+
+#[tokio::test]
+async fn every_failure_of_proof_is_401_with_its_code_and_changes_nothing() {
+    let w = world("proof", &[]).await;
+    let run = w.run("srv-2-run", "srv-2", None).await;
+    let now = chrono::Utc::now().timestamp();
+    let post = |body: Value| {
+        let run = &run;
+        async move { run.post_hello(&body).await.expect_err("refused") }
+    };
+    // Unknown identity.
+    let stranger = RunClient::new(&w.op.base, "srv-unknown", "run", 1, SigningKey::from_bytes(&[2; 32]));
+    assert_eq!(
+        code(&stranger.post_hello(&stranger.hello_body(now, "nonce-unknown-0001")).await.expect_err("unknown")),
+        "unknown_identity"
+    );
+    // Stale generation (signed correctly, but for generation 2 while 1 is current).
+    let mut body = run.hello_body(now, "nonce-stale-000001");
+    body["key_generation"] = json!(2);
+    assert_eq!(code(&post(body).await), "stale_generation");
+    // Bad signature: another key, or a changed field.
+    let impostor = RunClient::new(&w.op.base, "srv-2", "run", 1, SigningKey::from_bytes(&[3; 32]));
+    assert_eq!(code(&post(impostor.hello_body(now, "nonce-impostor-001")).await), "bad_signature");
+    let mut body = run.hello_body(now, "nonce-tampered-001");
+    body["timestamp"] = json!(now + 1);
+    assert_eq!(code(&post(body).await), "bad_signature");
+    // Clock skew beyond ±300 s.
+    assert_eq!(code(&post(run.hello_body(now - 301, "nonce-skew-0000001")).await), "clock_skew");
+    // Replayed nonce: the same signed hello twice.
+    let body = run.hello_body(now, "nonce-replay-00001");
+    run.post_hello(&body).await.expect("first use");
+    let e = post(body).await;
+    assert_eq!(code(&e), "replayed_nonce");
+    if let runclient::ClientError::Refused { status, message, .. } = &e {
+        assert_eq!(*status, 401);
+        assert_eq!(message, "hello refused", "says nothing more");
+    }
+    // Malformed input is a 4xx with a code, not a proof failure.
+    let mut body = run.hello_body(now, "short");
+    assert_eq!(code(&post(body.clone()).await), "invalid_request");
+    body["nonce"] = json!("nonce-shape-000001");
+    body["capacity"] = json!({"slots": -1});
+    assert_eq!(code(&post(body).await), "invalid_request");
+}
+
+#[tokio::test]
+async fn a_silent_run_goes_offline_within_the_lease_and_hello_again_works() {
+    let w = world("offline", &[]).await;
+    let mut run = w.run("srv-3-run", "srv-3", Some(5)).await;
+    let granted = run.hello().await.expect("hello");
+    assert_eq!(granted.lease_ttl_seconds, 5);
+    w.phase("srv-3-run", RunPhase::Online, 5).await;
+    let last = Instant::now();
+    let off = w.phase("srv-3-run", RunPhase::Offline, 15).await;
+    let took = last.elapsed();
+    assert!(took <= Duration::from_secs(8), "offline after {took:?}; lease 5 s + 2 s allowed (+1 s test polling)");
+    let st = off.status.expect("status");
+    assert_eq!(st.unavailable_reason, Some(UnavailableReason::LeaseExpired));
+    assert!(!st.online);
+    assert_eq!(code(&run.heartbeat().await.expect_err("expired")), "session_expired");
+    run.hello().await.expect("hello again");
+    w.phase("srv-3-run", RunPhase::Online, 5).await;
+}
+
+#[tokio::test]
+async fn jobs_go_to_their_own_target_and_cross_target_steps_are_refused() {
+    let w = world("jobs", &[("PRISM_JOB_VISIBILITY_SECONDS", "2")]).await;
+    let mut a = w.run("srv-a-run", "srv-a", None).await;
+    let mut b = w.run("srv-b-run", "srv-b", None).await;
+    a.hello().await.expect("hello a");
+    b.hello().await.expect("hello b");
+
+    // Enqueue needs a Kubernetes identity allowed to update that RunSession.
+    let reader = support::sa_token(w.cp, &w.ns, "reader", "runsessions", &["get"]);
+    assert_eq!(w.enqueue(&reader, "srv-a", "config").await.status(), 403);
+    let token = w.enqueue_token();
+    let r = w.enqueue(&token, "srv-a", "reboot").await;
+    assert_eq!(r.status(), 422, "unknown job kind");
+    let r = w.enqueue(&token, "srv-nobody", "config").await;
+    assert_eq!(r.status(), 404);
+    let mut ids = vec![];
+    for kind in ["config", "lifecycle", "log"] {
+        let r = w.enqueue(&token, "srv-a", kind).await;
+        assert_eq!(r.status(), 201);
+        let job: Value = r.json().await.expect("job");
+        assert_eq!(job["state"], "queued");
+        ids.push(job["id"].as_str().expect("id").to_string());
+    }
+
+    // The other target's Run gets nothing; the right Run gets the oldest first.
+    assert!(b.claim(10).await.expect("claim b").is_empty());
+    let got = a.claim(2).await.expect("claim a");
+    assert_eq!(got.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), ids[..2]);
+    assert!(got.iter().all(|j| j.state == "claimed" && j.attempts == 1));
+    let job = got[0].id;
+
+    // Cross-target steps: 403 cross_target, job unchanged.
+    for (action, body) in [
+        ("ack", None),
+        ("progress", Some(json!({"progress": {"pct": 50}}))),
+        ("complete", Some(json!({"outcome": "succeeded", "result": {}}))),
+    ] {
+        let e = b.step(&job, action, body).await.expect_err("cross target");
+        assert_eq!(code(&e), "cross_target", "{action}");
+    }
+    let state: (String, Option<Value>) = sqlx::query_as("SELECT state, progress FROM runtime_jobs WHERE id = $1")
+        .bind(job)
+        .fetch_one(&w.db.pool)
+        .await
+        .expect("job row");
+    assert_eq!(state, ("claimed".to_string(), None));
+
+    // The right Run acks, reports progress, completes.
+    assert_eq!(a.step(&job, "ack", None).await.expect("ack").state, "running");
+    let p = a.step(&job, "progress", Some(json!({"progress": {"pct": 50}}))).await.expect("progress");
+    assert_eq!(p.progress, Some(json!({"pct": 50})));
+    // A Run that says hello again (new session) may finish what it claimed before.
+    a.hello().await.expect("hello again");
+    let done = a
+        .step(&job, "complete", Some(json!({"outcome": "succeeded", "result": {"ok": true}})))
+        .await
+        .expect("complete");
+    assert_eq!((done.state.as_str(), done.result), ("succeeded", Some(json!({"ok": true}))));
+    assert_eq!(
+        code(&a.step(&job, "complete", Some(json!({"outcome": "failed"}))).await.expect_err("twice")),
+        "invalid_state"
+    );
+
+    // The second claimed job is never progressed: its visibility timeout puts it back.
+    let silent = got[1].id;
+    eventually(10, "silent job requeued", || async {
+        let s: String = sqlx::query_scalar("SELECT state FROM runtime_jobs WHERE id = $1")
+            .bind(silent)
+            .fetch_one(&w.db.pool)
+            .await
+            .ok()?;
+        (s == "queued").then_some(())
+    })
+    .await;
+    let again = a.claim(5).await.expect("claim again");
+    let again_ids: Vec<_> = again.iter().map(|j| j.id).collect();
+    assert!(again_ids.contains(&silent));
+    assert_eq!(again.iter().find(|j| j.id == silent).map(|j| j.attempts), Some(2));
+}
+
+#[tokio::test]
+async fn redis_down_flushed_and_operator_restarted() {
+    let mut w = world("redis", &[]).await;
+    let mut run = w.run("srv-r-run", "srv-r", None).await;
+    run.hello().await.expect("hello");
+    w.phase("srv-r-run", RunPhase::Online, 5).await;
+    let token = w.enqueue_token();
+    assert_eq!(w.enqueue(&token, "srv-r", "config").await.status(), 201);
+
+    // Operator restarted while the session is live: the token keeps working, nothing is
+    // cleaned at start; a second operator on the same Redis/Postgres sees the session.
+    let env = [("REDIS_URL", w.redis.url.clone()), ("PRISM_REDIS_PREFIX", w.prefix.clone())];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    drop(std::mem::replace(&mut w.op, Operator::start(w.cp, &w.db.url, &w.ns, &env).await));
+    let mut same = RunClient::new(&w.op.base, "srv-r", "run", 1, SigningKey::from_bytes(&[0; 32]));
+    same.token = run.token.clone();
+    same.heartbeat().await.expect("token survives an operator restart");
+    let other_ns = support::namespace(&w.client, "second").await;
+    let second = Operator::start(w.cp, &w.db.url, &other_ns, &env).await;
+    let mut via_second = RunClient::new(&second.base, "srv-r", "run", 1, SigningKey::from_bytes(&[0; 32]));
+    via_second.token = run.token.clone();
+    via_second.heartbeat().await.expect("a second operator sees the same session");
+    drop(second);
+    run.set_base(&w.op.base);
+
+    // Redis stopped: readiness says so, Runs get 503 runtime_registry_unavailable, no job
+    // is assigned; the RunSession shows Unavailable.
+    w.redis.down();
+    let http = support::http();
+    let ready: Value = http.get(w.op.url("/readyz")).send().await.expect("readyz").json().await.expect("json");
+    assert_eq!(ready["checks"]["runtime_registry"]["status"], "unavailable", "{ready}");
+    for e in [
+        run.heartbeat().await.expect_err("503"),
+        run.claim(1).await.map(|_| ()).expect_err("503"),
+        run.hello().await.map(|_| ()).expect_err("503"),
+    ] {
+        assert_eq!(code(&e), "runtime_registry_unavailable", "{e:?}");
+    }
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE state = 'queued'")
+        .fetch_one(&w.db.pool)
+        .await
+        .expect("count");
+    assert_eq!(queued, 1, "no job assigned while Redis is down");
+    let un = w.phase("srv-r-run", RunPhase::Unavailable, 15).await;
+    assert_eq!(un.status.and_then(|s| s.unavailable_reason), Some(UnavailableReason::RedisUnavailable));
+
+    // Redis back, but empty (it lost its data): Runs are offline until they say hello;
+    // the RunSession and the job are unchanged.
+    w.redis.up();
+    w.redis.flushall();
+    assert_eq!(code(&run.heartbeat().await.expect_err("session gone")), "session_expired");
+    w.phase("srv-r-run", RunPhase::Offline, 15).await;
+    assert!(w.api.get_opt("srv-r-run").await.expect("get").is_some());
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE state = 'queued'")
+        .fetch_one(&w.db.pool)
+        .await
+        .expect("count");
+    assert_eq!(queued, 1);
+    run.hello().await.expect("hello again");
+    w.phase("srv-r-run", RunPhase::Online, 5).await;
+    assert_eq!(run.claim(5).await.expect("claim").len(), 1);
+}
+
+#[tokio::test]
+async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
+    let w = world("ident", &[("RUST_LOG", "debug")]).await;
+    let mut run = w.run("srv-i-run", "srv-i", None).await;
+    run.hello().await.expect("hello");
+    w.phase("srv-i-run", RunPhase::Online, 5).await;
+
+    // A second resource claiming the same identity is not used.
+    let (_, other_key) = runclient::new_key().expect("key");
+    let dup = RunSession::new(
+        "srv-i-dup",
+        RunSessionSpec {
+            server_instance_id: "srv-i".into(),
+            component_kind: "run".into(),
+            credential: RunCredential { public_key: other_key, generation: 1 },
+            lease_seconds: None,
+        },
+    );
+    w.api.create(&PostParams::default(), &dup).await.expect("create duplicate");
+    let d = eventually(10, "DuplicateIdentity", || async {
+        let r = w.api.get_opt("srv-i-dup").await.ok().flatten()?;
+        r.status
+            .as_ref()?
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "False" && c.reason == "DuplicateIdentity")
+            .then_some(r)
+    })
+    .await;
+    assert_eq!(d.status.map(|s| s.phase), Some(RunPhase::Pending));
+
+    // The owner sees a safe projection over HTTP; nobody else does.
+    let token = w.enqueue_token();
+    let http = support::http();
+    let r =
+        http.get(w.op.url("/api/v1/runtime/servers/srv-i/status")).bearer_auth(&token).send().await.expect("status");
+    assert_eq!(r.status(), 200);
+    let body = r.text().await.expect("text");
+    let status: Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(status["components"][0]["phase"], "Online");
+    assert_eq!(status["components"][0]["capacity"]["slots"], 4);
+    let nobody = support::sa_token(w.cp, &w.ns, "nobody", "configmaps", &["get"]);
+    let r =
+        http.get(w.op.url("/api/v1/runtime/servers/srv-i/status")).bearer_auth(&nobody).send().await.expect("status");
+    assert_eq!(r.status(), 403);
+
+    // Secrets never reach a response, the status, an Event or a log line.
+    let session_token = run.token.clone().expect("token");
+    let token_hash = prism_operator::runtime::service::token_hash(&session_token);
+    let obj = serde_json::to_string(&w.api.get("srv-i-run").await.expect("get")).expect("json");
+    let events = w.cp.kubectl_ok(&["get", "events", "-n", &w.ns, "-o", "json"]);
+    let secret_part = session_token.rsplit('.').next().expect("secret part").to_string();
+    for (what, text) in [("response", &body), ("resource", &obj), ("events", &events), ("logs", &w.op.logs())] {
+        for secret in [secret_part.as_str(), token_hash.as_str(), w.prefix.as_str(), "run:{srv-i/run}"] {
+            assert!(!text.contains(secret), "{what} contains {secret}");
+        }
+    }
+    assert!(w.op.logs().contains("HTTP API serving"), "the log was captured");
+
+    // Raising the generation revokes the session at once; the old key is stale.
+    let (new_key, new_public) = runclient::new_key().expect("key");
+    let patch = json!({"spec": {"credential": {"publicKey": new_public, "generation": 2}}});
+    w.api.patch("srv-i-run", &PatchParams::default(), &Patch::Merge(&patch)).await.expect("rotate");
+    let off = w.phase("srv-i-run", RunPhase::Offline, 10).await;
+    assert_eq!(off.status.and_then(|s| s.unavailable_reason), Some(UnavailableReason::CredentialRotated));
+    assert_eq!(code(&run.heartbeat().await.expect_err("revoked")), "session_expired");
+    assert_eq!(code(&run.hello().await.expect_err("old key")), "stale_generation");
+    let mut rotated = RunClient::new(&w.op.base, "srv-i", "run", 2, new_key);
+    rotated.hello().await.expect("new key works");
+    w.phase("srv-i-run", RunPhase::Online, 5).await;
+
+    // Deleting the resource revokes the identity; its queued jobs stay; the duplicate
+    // then takes the identity over.
+    assert_eq!(w.enqueue(&token, "srv-i", "file").await.status(), 201);
+    w.api.delete("srv-i-run", &DeleteParams::default()).await.expect("delete");
+    eventually(10, "resource gone", || async { w.api.get_opt("srv-i-run").await.ok()?.is_none().then_some(()) }).await;
+    assert_eq!(code(&rotated.heartbeat().await.expect_err("revoked")), "session_expired");
+    let queued: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE server_instance_id = 'srv-i' AND state = 'queued'")
+            .fetch_one(&w.db.pool)
+            .await
+            .expect("count");
+    assert_eq!(queued, 1);
+    let taken = eventually(40, "duplicate takes over", || async {
+        let r = w.api.get_opt("srv-i-dup").await.ok().flatten()?;
+        r.status.as_ref()?.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True").then_some(r)
+    })
+    .await;
+    assert_eq!(taken.name_any(), "srv-i-dup");
+}
