@@ -93,7 +93,8 @@ return 'started'
 
 // KEYS: session, retired. ARGV: token_hash, renew ("1"/"0"), now_ms, capabilities or "",
 // capacity or "". Returns the session fields, or a status word.
-const CHECK: &str = r#"
+/// Public for the benchmark, which runs this same script straight against Redis.
+pub const CHECK: &str = r#"
 local cur = redis.call('HGET', KEYS[1], 'token_hash')
 if cur ~= ARGV[1] then
   if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 'superseded' end
@@ -180,6 +181,11 @@ impl RedisStore {
 
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The session hash and retired set of an identity (for the benchmark's baseline).
+    pub fn session_keys(&self, t: &Target) -> (String, String) {
+        (self.key(t, "session"), self.key(t, "retired"))
     }
 
     fn key(&self, t: &Target, suffix: &str) -> String {

@@ -1,0 +1,212 @@
+//! Runtime registry benchmark: the project and a baseline side by side in one run, on
+//! the same real Redis and Postgres, printing the ratio (absolute numbers on a shared
+//! machine are noise; the ratio is the result).
+//!
+//!   scripts/bench            (or: cargo bench --bench runtime, with the services up)
+//!
+//! (a) heartbeats/s through the HTTP API vs the same Lua renew script run directly
+//!     against Redis, at the same concurrency (target >= 0.3);
+//! (b) claims/s (1 job per claim) through the HTTP API vs the raw
+//!     `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING`
+//!     (target >= 0.5);
+//! (c) seconds from a Run's last heartbeat to `phase: Offline` in its status, 20 Runs,
+//!     5 s lease (target p99 <= lease + 2 s).
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kube::api::PostParams;
+use kube::Api;
+use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec};
+use prism_operator::runclient::{self, RunClient};
+use prism_operator::runtime::service::token_hash;
+use prism_operator::runtime::{RedisStore, Target};
+
+const CONCURRENCY: usize = 16;
+const WINDOW: Duration = Duration::from_secs(5);
+
+async fn runs(api: &Api<RunSession>, base: &str, prefix: &str, n: usize, lease: Option<i32>) -> Vec<RunClient> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let (key, public) = runclient::new_key().expect("key");
+        let server = format!("{prefix}-{i}");
+        let spec = RunSessionSpec {
+            server_instance_id: server.clone(),
+            component_kind: "run".into(),
+            credential: RunCredential { public_key: public, generation: 1 },
+            lease_seconds: lease,
+        };
+        api.create(&PostParams::default(), &RunSession::new(&server, spec)).await.expect("create");
+        out.push(RunClient::new(base, &server, "run", 1, key));
+    }
+    for run in &mut out {
+        // The identity is mirrored by the reconciler: retry until it is known.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while run.hello().await.is_err() {
+            assert!(Instant::now() < deadline, "hello never succeeded");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    out
+}
+
+/// Runs `op` on CONCURRENCY tasks for WINDOW; returns operations per second.
+async fn rate<F, Fut>(op: F) -> f64
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = bool> + Send,
+{
+    let op = Arc::new(op);
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CONCURRENCY)
+        .map(|i| {
+            let (op, done) = (op.clone(), done.clone());
+            tokio::spawn(async move {
+                while start.elapsed() < WINDOW {
+                    if op(i).await {
+                        done.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+#[tokio::main]
+async fn main() {
+    let cp = support::control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "bench").await;
+    let db = support::TestDb::new().await;
+    let prefix = support::redis_prefix();
+    let op = support::Operator::start(cp, &db.url, &ns, &[("PRISM_REDIS_PREFIX", &prefix), ("RUST_LOG", "warn")]).await;
+    let api: Api<RunSession> = Api::namespaced(client.clone(), &ns);
+    println!("prism-operator runtime benchmark (concurrency {CONCURRENCY}, {}s windows)\n", WINDOW.as_secs());
+
+    // (a) heartbeats
+    let hb_runs = Arc::new(runs(&api, &op.base, "hb", CONCURRENCY, None).await);
+    let r = hb_runs.clone();
+    let api_rate = rate(move |i| {
+        let r = r.clone();
+        async move { r[i].heartbeat().await.is_ok() }
+    })
+    .await;
+    let store = RedisStore::new(&support::redis_url(), &prefix).expect("redis");
+    let raw = redis::Client::open(support::redis_url()).expect("redis");
+    let conn = raw.get_multiplexed_async_connection().await.expect("connect");
+    let script = redis::Script::new(prism_operator::runtime::redis::CHECK);
+    let keys: Arc<Vec<(String, String, String)>> = Arc::new(
+        hb_runs
+            .iter()
+            .map(|run| {
+                let t = Target { server_instance_id: run.server_instance_id.clone(), component_kind: "run".into() };
+                let (s, r) = store.session_keys(&t);
+                (s, r, token_hash(run.token.as_deref().unwrap_or_default()))
+            })
+            .collect(),
+    );
+    let raw_rate = rate(move |i| {
+        let (mut conn, script, keys) = (conn.clone(), script.clone(), keys.clone());
+        async move {
+            let (s, r, h) = &keys[i];
+            let now = chrono::Utc::now().timestamp_millis();
+            let res: redis::RedisResult<redis::Value> =
+                script.key(s).key(r).arg(h).arg("1").arg(now).arg("").arg("").invoke_async(&mut conn).await;
+            res.is_ok()
+        }
+    })
+    .await;
+    println!("(a) heartbeats/s   API {api_rate:>9.0}   raw Lua {raw_rate:>9.0}   ratio {:.2}   (target >= 0.3)", api_rate / raw_rate);
+
+    // (b) claims, one job per claim
+    let claim_runs = Arc::new(runs(&api, &op.base, "cl", CONCURRENCY, None).await);
+    let fill = |prefix: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO runtime_jobs (server_instance_id, component_kind, kind)
+                 SELECT $1 || '-' || (g % 16), 'run', 'config' FROM generate_series(1, 200000) g",
+            )
+            .bind(prefix)
+            .execute(&pool)
+            .await
+            .expect("fill");
+        }
+    };
+    fill("cl").await;
+    let r = claim_runs.clone();
+    let api_claims = rate(move |i| {
+        let r = r.clone();
+        async move { r[i].claim(1).await.map(|j| j.len() == 1).unwrap_or(false) }
+    })
+    .await;
+    fill("raw").await;
+    let pool = db.pool.clone();
+    let raw_claims = rate(move |i| {
+        let pool = pool.clone();
+        async move {
+            let row: Option<(uuid::Uuid,)> = sqlx::query_as(
+                "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), visible_at = now() + interval '60 seconds',
+                     attempts = attempts + 1
+                 WHERE id IN (SELECT id FROM runtime_jobs
+                              WHERE server_instance_id = $1 AND component_kind = 'run' AND state = 'queued'
+                              ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED)
+                 RETURNING id",
+            )
+            .bind(format!("raw-{i}"))
+            .fetch_optional(&pool)
+            .await
+            .ok()
+            .flatten();
+            row.is_some()
+        }
+    })
+    .await;
+    println!("(b) claims/s       API {api_claims:>9.0}   raw SQL {raw_claims:>9.0}   ratio {:.2}   (target >= 0.5)", api_claims / raw_claims);
+
+    // (c) offline detection
+    let lease = 5;
+    let off_runs = runs(&api, &op.base, "off", 20, Some(lease)).await;
+    let mut last_beat = Vec::new();
+    for run in &off_runs {
+        run.heartbeat().await.expect("heartbeat");
+        last_beat.push((run.server_instance_id.clone(), Instant::now()));
+    }
+    let mut latencies = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while latencies.len() < last_beat.len() && Instant::now() < deadline {
+        for (name, at) in &last_beat {
+            if latencies.iter().any(|(n, _)| n == name) {
+                continue;
+            }
+            if let Ok(r) = api.get(name).await
+                && r.status.is_some_and(|s| s.phase == RunPhase::Offline)
+            {
+                latencies.push((name.clone(), at.elapsed().as_secs_f64()));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut secs: Vec<f64> = latencies.iter().map(|(_, s)| *s).collect();
+    secs.sort_by(f64::total_cmp);
+    let pct = |p: f64| secs.get(((secs.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+    println!(
+        "(c) offline after   p50 {:.2}s   p99 {:.2}s   max {:.2}s   ({} of 20 Runs, lease {lease}s; target p99 <= {}s)",
+        pct(0.5),
+        pct(0.99),
+        secs.last().copied().unwrap_or(f64::NAN),
+        secs.len(),
+        lease + 2
+    );
+}
