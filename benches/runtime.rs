@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kube::api::PostParams;
 use kube::Api;
+use kube::api::PostParams;
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec};
 use prism_operator::runclient::{self, RunClient};
 use prism_operator::runtime::service::token_hash;
@@ -127,7 +127,10 @@ async fn main() {
         }
     })
     .await;
-    println!("(a) heartbeats/s   API {api_rate:>9.0}   raw Lua {raw_rate:>9.0}   ratio {:.2}   (target >= 0.3)", api_rate / raw_rate);
+    println!(
+        "(a) heartbeats/s   API {api_rate:>9.0}   raw Lua {raw_rate:>9.0}   ratio {:.2}   (target >= 0.3)",
+        api_rate / raw_rate
+    );
 
     // (b) claims, one job per claim
     let claim_runs = Arc::new(runs(&api, &op.base, "cl", CONCURRENCY, None).await);
@@ -173,7 +176,10 @@ async fn main() {
         }
     })
     .await;
-    println!("(b) claims/s       API {api_claims:>9.0}   raw SQL {raw_claims:>9.0}   ratio {:.2}   (target >= 0.5)", api_claims / raw_claims);
+    println!(
+        "(b) claims/s       API {api_claims:>9.0}   raw SQL {raw_claims:>9.0}   ratio {:.2}   (target >= 0.5)",
+        api_claims / raw_claims
+    );
 
     // (c) offline detection
     let lease = 5;
@@ -200,7 +206,8 @@ async fn main() {
     }
     let mut secs: Vec<f64> = latencies.iter().map(|(_, s)| *s).collect();
     secs.sort_by(f64::total_cmp);
-    let pct = |p: f64| secs.get(((secs.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
+    let pct =
+        |p: f64| secs.get(((secs.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(f64::NAN);
     println!(
         "(c) offline after   p50 {:.2}s   p99 {:.2}s   max {:.2}s   ({} of 20 Runs, lease {lease}s; target p99 <= {}s)",
         pct(0.5),

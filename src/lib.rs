@@ -8,6 +8,7 @@ pub mod controller;
 pub mod crd;
 pub mod db;
 pub mod election;
+pub mod leader;
 pub mod runclient;
 pub mod runtime;
 pub mod server;

@@ -23,8 +23,6 @@ use crate::telemetry::Metrics;
 
 /// Heartbeats arriving within this window become one UPDATE.
 const HEARTBEAT_WINDOW: Duration = Duration::from_millis(250);
-/// How often the reaper looks for jobs past their visibility timeout.
-const REAPER_INTERVAL: Duration = Duration::from_secs(2);
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     args.validate()?;
@@ -53,7 +51,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         jobs: JobStore::new(pool.clone(), Duration::from_secs(u64::from(args.job_visibility_seconds))),
         default_lease_seconds: args.run_lease_seconds,
     };
-    let (triggers, receivers) = controller::triggers();
+    let triggers = controller::Triggers::default();
     let ctx = Arc::new(controller::Context {
         client: kube.clone(),
         election: election.clone(),
@@ -63,19 +61,25 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         stale_after: chrono::Duration::minutes(i64::from(args.peer_stale_minutes)),
         metrics: metrics.clone(),
     });
+    // Controllers, the stale sweep, the job reaper and the registry watch: on the Lease
+    // holder only when leader election is on; every replica serves the HTTP API.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let leader_work = {
+        let ctx = ctx.clone();
+        let namespace = args.watch_namespace.clone();
+        let stale = args.peer_stale_minutes;
+        let sweep_every = Duration::from_secs(u64::from(args.sweep_interval_seconds));
+        move || controller::lead(ctx.clone(), namespace.clone(), stale, sweep_every)
+    };
     if args.leader_election {
-        warn!(
-            "PRISM_LEADER_ELECTION is on but Lease-based leader election is not built yet: this replica runs the controllers, the sweep and the reaper; run one replica"
-        );
+        let cfg = crate::leader::LeaseConfig::from_env("prism-operator-leader");
+        let mut rx = stop_rx.clone();
+        tokio::spawn(crate::leader::run(kube.clone(), cfg, leader_work, async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }));
+    } else {
+        tokio::spawn(leader_work());
     }
-    tokio::spawn(controller::run_controllers(ctx.clone(), receivers, args.watch_namespace.clone()));
-    tokio::spawn(controller::run_sweep(
-        ctx.clone(),
-        args.peer_stale_minutes,
-        Duration::from_secs(u64::from(args.sweep_interval_seconds)),
-    ));
-    tokio::spawn(controller::run_reaper(ctx.clone(), REAPER_INTERVAL));
-    tokio::spawn(controller::run_registry_watch(ctx.clone(), Duration::from_secs(2)));
 
     let agents = AgentService {
         client: kube.clone(),
@@ -90,10 +94,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {} (PRISM_LISTEN)", args.listen))?;
     info!(listen = %args.listen, "HTTP API serving");
+    let mut rx = stop_rx.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
     axum::serve(listener, api::router(state))
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        })
         .await
         .context("HTTP server failed")?;
+    // Give the leader loop a moment to hand the Lease back.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     info!("stopped");
     Ok(())
 }

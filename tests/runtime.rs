@@ -407,6 +407,21 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     assert_eq!(off.status.and_then(|s| s.unavailable_reason), Some(UnavailableReason::CredentialRotated));
     assert_eq!(code(&run.heartbeat().await.expect_err("revoked")), "session_expired");
     assert_eq!(code(&run.hello().await.expect_err("old key")), "stale_generation");
+    // The owner's view of an offline component keeps the last known facts and the reason.
+    let view: Value = http
+        .get(w.op.url("/api/v1/runtime/servers/srv-i/status"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .expect("status")
+        .json()
+        .await
+        .expect("json");
+    let c = &view["components"][0];
+    assert_eq!((c["phase"].as_str(), c["online"].as_bool()), (Some("Offline"), Some(false)), "{view}");
+    assert_eq!(c["unavailable_reason"], "credential_rotated", "{view}");
+    assert_eq!(c["version"], env!("CARGO_PKG_VERSION"), "{view}");
+    assert!(c["last_heartbeat"].is_string(), "{view}");
     let mut rotated = RunClient::new(&w.op.base, "srv-i", "run", 2, new_key);
     rotated.hello().await.expect("new key works");
     w.phase("srv-i-run", RunPhase::Online, 5).await;

@@ -17,6 +17,11 @@ use uuid::Uuid;
 use super::AppState;
 use super::auth::bearer;
 use super::error::{ApiError, ApiJson};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::Api;
+
+use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
+use crate::runtime::identity::Identity;
 use crate::runtime::jobs::{Job, Step, StepRefused};
 use crate::runtime::service::{Granted, Hello, HelloError, SessionRefused, check_snapshot};
 use crate::runtime::{RuntimeError, Session, Target};
@@ -82,6 +87,12 @@ pub async fn hello(
     match state.runtime.hello(&body, Utc::now()).await? {
         Ok((identity, granted)) => {
             state.triggers.runsession(&identity.namespace, &identity.name);
+            // The leader may be another replica: tell it through Postgres too.
+            let _ = sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(crate::controller::NOTIFY_RUNSESSIONS)
+                .bind(format!("{}/{}", identity.namespace, identity.name))
+                .execute(&state.db)
+                .await;
             Ok((StatusCode::CREATED, Json(granted)))
         }
         Err(HelloError::Invalid(e)) => Err(ApiError::invalid(e.0)),
@@ -249,14 +260,73 @@ pub struct ComponentStatus {
     component_kind: String,
     namespace: String,
     name: String,
-    phase: &'static str,
+    phase: RunPhase,
     online: bool,
     last_heartbeat: Option<DateTime<Utc>>,
     session_started_at: Option<DateTime<Utc>>,
     version: Option<String>,
-    target: Option<Value>,
+    target: Option<RunTarget>,
     capabilities: Vec<String>,
     capacity: BTreeMap<String, i64>,
+    unavailable_reason: Option<UnavailableReason>,
+}
+
+fn from_time(t: Option<Time>) -> Option<DateTime<Utc>> {
+    t.and_then(|t| DateTime::<Utc>::from_timestamp_micros(t.0.as_microsecond()))
+}
+
+/// Live facts from the Redis lease when there is one; otherwise the last known facts
+/// and the reason from the RunSession's status (the reconciler's projection).
+fn component(
+    identity: &Identity,
+    live: Option<Session>,
+    registry_up: bool,
+    known: RunSessionStatus,
+) -> ComponentStatus {
+    let base = ComponentStatus {
+        component_kind: identity.component_kind.clone(),
+        namespace: identity.namespace.clone(),
+        name: identity.name.clone(),
+        phase: known.phase,
+        online: false,
+        last_heartbeat: from_time(known.last_heartbeat),
+        session_started_at: from_time(known.session_started_at),
+        version: known.version,
+        target: known.target,
+        capabilities: known.capabilities,
+        capacity: known.capacity,
+        unavailable_reason: known.unavailable_reason,
+    };
+    if !registry_up {
+        return ComponentStatus {
+            phase: RunPhase::Unavailable,
+            unavailable_reason: Some(UnavailableReason::RedisUnavailable),
+            ..base
+        };
+    }
+    match live {
+        Some(s) => {
+            let target: Option<RunTarget> = serde_json::from_str(&s.target).ok();
+            ComponentStatus {
+                phase: RunPhase::Online,
+                online: true,
+                last_heartbeat: DateTime::<Utc>::from_timestamp_millis(s.last_heartbeat_ms),
+                session_started_at: DateTime::<Utc>::from_timestamp_millis(s.started_at_ms),
+                version: (!s.version.is_empty()).then_some(s.version),
+                target,
+                capabilities: serde_json::from_str(&s.capabilities).unwrap_or_default(),
+                capacity: serde_json::from_str(&s.capacity).unwrap_or_default(),
+                unavailable_reason: None,
+                ..base
+            }
+        }
+        None if base.phase == RunPhase::Online || base.phase == RunPhase::Unavailable => ComponentStatus {
+            phase: RunPhase::Offline,
+            unavailable_reason: Some(UnavailableReason::LeaseExpired),
+            ..base
+        },
+        None => base,
+    }
 }
 
 pub async fn server_status(
@@ -272,37 +342,16 @@ pub async fn server_status(
     let mut components = Vec::new();
     for identity in &identities {
         state.auth.authorize_named(&caller, "get", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
-        let session =
-            state.runtime.redis.session(&identity.target()).await?.filter(|s| s.generation == identity.key_generation);
-        let ms = |v: i64| DateTime::<Utc>::from_timestamp_millis(v);
-        components.push(match session {
-            Some(s) => ComponentStatus {
-                component_kind: identity.component_kind.clone(),
-                namespace: identity.namespace.clone(),
-                name: identity.name.clone(),
-                phase: "Online",
-                online: true,
-                last_heartbeat: ms(s.last_heartbeat_ms),
-                session_started_at: ms(s.started_at_ms),
-                version: (!s.version.is_empty()).then_some(s.version),
-                target: serde_json::from_str(&s.target).ok(),
-                capabilities: serde_json::from_str(&s.capabilities).unwrap_or_default(),
-                capacity: serde_json::from_str(&s.capacity).unwrap_or_default(),
-            },
-            None => ComponentStatus {
-                component_kind: identity.component_kind.clone(),
-                namespace: identity.namespace.clone(),
-                name: identity.name.clone(),
-                phase: "Offline",
-                online: false,
-                last_heartbeat: None,
-                session_started_at: None,
-                version: None,
-                target: None,
-                capabilities: vec![],
-                capacity: BTreeMap::new(),
-            },
-        });
+        let known = Api::<RunSession>::namespaced(state.kube.clone(), &identity.namespace)
+            .get_opt(&identity.name)
+            .await?
+            .and_then(|r| r.status)
+            .unwrap_or_default();
+        let (live, up) = match state.runtime.redis.session(&identity.target()).await {
+            Ok(s) => (s.filter(|s| s.generation == identity.key_generation), true),
+            Err(_) => (None, false),
+        };
+        components.push(component(identity, live, up, known));
     }
     Ok(Json(json!({"server_instance_id": server_instance_id, "components": components})))
 }

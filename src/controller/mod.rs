@@ -41,21 +41,44 @@ pub enum ControllerError {
 
 /// Sends "reconcile this now" for resources changed from elsewhere (an election, a
 /// hello), so their status follows within a second rather than at the next resync.
-#[derive(Clone)]
+/// The receiving ends belong to the controllers of the current term of leadership:
+/// `open()` makes new ones each term; with no controllers running here, sends are dropped.
+#[derive(Clone, Default)]
 pub struct Triggers {
-    registrations: mpsc::UnboundedSender<ObjectRef<ControllerRegistration>>,
-    runsessions: mpsc::UnboundedSender<ObjectRef<RunSession>>,
+    registrations: Arc<std::sync::Mutex<Option<mpsc::UnboundedSender<ObjectRef<ControllerRegistration>>>>>,
+    runsessions: Arc<std::sync::Mutex<Option<mpsc::UnboundedSender<ObjectRef<RunSession>>>>>,
 }
 
 impl Triggers {
     pub fn registrations(&self, touched: impl IntoIterator<Item = Touched>) {
-        for t in touched {
-            let _ = self.registrations.send(ObjectRef::new(&t.name).within(&t.namespace));
+        if let Ok(slot) = self.registrations.lock()
+            && let Some(tx) = slot.as_ref()
+        {
+            for t in touched {
+                let _ = tx.send(ObjectRef::new(&t.name).within(&t.namespace));
+            }
         }
     }
 
     pub fn runsession(&self, namespace: &str, name: &str) {
-        let _ = self.runsessions.send(ObjectRef::new(name).within(namespace));
+        if let Ok(slot) = self.runsessions.lock()
+            && let Some(tx) = slot.as_ref()
+        {
+            let _ = tx.send(ObjectRef::new(name).within(namespace));
+        }
+    }
+
+    /// New channels for a new set of controllers; the previous receivers stop receiving.
+    pub fn open(&self) -> Receivers {
+        let (reg_tx, reg_rx) = mpsc::unbounded_channel();
+        let (run_tx, run_rx) = mpsc::unbounded_channel();
+        if let Ok(mut slot) = self.registrations.lock() {
+            *slot = Some(reg_tx);
+        }
+        if let Ok(mut slot) = self.runsessions.lock() {
+            *slot = Some(run_tx);
+        }
+        Receivers { registrations: reg_rx, runsessions: run_rx }
     }
 }
 
@@ -72,13 +95,6 @@ pub struct Context {
 pub struct Receivers {
     registrations: mpsc::UnboundedReceiver<ObjectRef<ControllerRegistration>>,
     runsessions: mpsc::UnboundedReceiver<ObjectRef<RunSession>>,
-}
-
-/// The triggers to hand out (API, sweep) and the receiving ends for the controllers.
-pub fn triggers() -> (Triggers, Receivers) {
-    let (reg_tx, reg_rx) = mpsc::unbounded_channel();
-    let (run_tx, run_rx) = mpsc::unbounded_channel();
-    (Triggers { registrations: reg_tx, runsessions: run_tx }, Receivers { registrations: reg_rx, runsessions: run_rx })
 }
 
 pub fn recorder(client: Client) -> Recorder {
@@ -123,6 +139,60 @@ async fn drain<K: Resource, E: std::fmt::Display>(
     match res {
         Ok((obj, _)) => debug!(%obj, "reconciled"),
         Err(e) => debug!(error = %e, "reconcile error"),
+    }
+}
+
+/// Everything that runs only on the leader: both controllers, the stale sweep, the job
+/// reaper and the registry watch. Dropping the future stops all of it.
+pub async fn lead(ctx: Arc<Context>, namespace: Option<String>, stale_minutes: u32, sweep_every: Duration) {
+    let receivers = ctx.triggers.open();
+    tokio::join!(
+        run_controllers(ctx.clone(), receivers, namespace),
+        run_sweep(ctx.clone(), stale_minutes, sweep_every),
+        run_reaper(ctx.clone(), Duration::from_secs(2)),
+        run_registry_watch(ctx.clone(), Duration::from_secs(2)),
+        run_notify_listener(ctx.clone()),
+    );
+}
+
+/// Postgres channels on which any replica announces resources whose status must follow
+/// a commit (its own API calls included), payload `namespace/name`.
+pub const NOTIFY_REGISTRATIONS: &str = "prism_registrations";
+pub const NOTIFY_RUNSESSIONS: &str = "prism_runsessions";
+
+/// Feeds NOTIFYs from every replica into this leader's controllers, so an election
+/// committed by another replica's API call updates every status within a second.
+pub async fn run_notify_listener(ctx: Arc<Context>) {
+    loop {
+        let mut listener = match sqlx::postgres::PgListener::connect_with(ctx.election.pool()).await {
+            Ok(l) => l,
+            Err(e) => {
+                warn!(error = %e, "cannot LISTEN for status triggers; retrying");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                continue;
+            }
+        };
+        if let Err(e) = listener.listen_all([NOTIFY_REGISTRATIONS, NOTIFY_RUNSESSIONS]).await {
+            warn!(error = %e, "cannot LISTEN for status triggers; retrying");
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            continue;
+        }
+        loop {
+            match listener.recv().await {
+                Ok(n) => {
+                    let Some((namespace, name)) = n.payload().split_once('/') else { continue };
+                    if n.channel() == NOTIFY_REGISTRATIONS {
+                        ctx.triggers.registrations([Touched { namespace: namespace.into(), name: name.into() }]);
+                    } else {
+                        ctx.triggers.runsession(namespace, name);
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "status trigger listener lost its connection; reconnecting");
+                    break;
+                }
+            }
+        }
     }
 }
 

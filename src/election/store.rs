@@ -484,6 +484,14 @@ async fn apply(
         .bind(&ids)
         .fetch_all(&mut **tx)
         .await?;
+    // Delivered at commit to the leader replica, whichever replica made the change.
+    for name in &names {
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(crate::controller::NOTIFY_REGISTRATIONS)
+            .bind(format!("{namespace}/{name}"))
+            .execute(&mut **tx)
+            .await?;
+    }
     Ok(names.into_iter().map(|name| Touched { namespace: namespace.to_string(), name }).collect())
 }
 
