@@ -19,6 +19,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -27,7 +28,25 @@ pub struct ControllerLabels {
     pub controller: String,
 }
 
-/// Prometheus metrics, served as text on /metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CauseLabels {
+    pub cause: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoleLabels {
+    pub namespace: String,
+    pub role: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DependencyLabels {
+    pub dependency: String,
+}
+
+/// Prometheus metrics, served as text on /metrics. Counters and histograms are this
+/// replica's; gauges read from Postgres and Redis at scrape time (`refresh`), so every
+/// replica reports the same cluster-wide state.
 pub struct Metrics {
     registry: Registry,
     reconciles: Family<ControllerLabels, Counter>,
@@ -35,6 +54,12 @@ pub struct Metrics {
     reconcile_seconds: Family<ControllerLabels, Histogram>,
     pub heartbeats: Counter,
     pub heartbeat_flushes: Counter,
+    pub claim_seconds: Histogram,
+    pub election_events: Family<CauseLabels, Gauge>,
+    pub registrations: Family<RoleLabels, Gauge>,
+    pub runs_online: Gauge,
+    pub jobs_queued: Gauge,
+    pub up: Family<DependencyLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -47,6 +72,30 @@ impl Default for Metrics {
         });
         let heartbeats = Counter::default();
         let heartbeat_flushes = Counter::default();
+        let claim_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        let election_events = Family::<CauseLabels, Gauge>::default();
+        let registrations = Family::<RoleLabels, Gauge>::default();
+        let runs_online = Gauge::default();
+        let jobs_queued = Gauge::default();
+        let up = Family::<DependencyLabels, Gauge>::default();
+        registry.register(
+            "runtime_claim_duration_seconds",
+            "Job claim latency (token check + claim)",
+            claim_seconds.clone(),
+        );
+        registry.register(
+            "election_events",
+            "Changes of master by cause (all replicas, from Postgres)",
+            election_events.clone(),
+        );
+        registry.register(
+            "controller_registrations",
+            "Live registrations per namespace and role",
+            registrations.clone(),
+        );
+        registry.register("runtime_runs_online", "Runs holding a session lease", runs_online.clone());
+        registry.register("runtime_jobs_queued", "Jobs waiting to be claimed", jobs_queued.clone());
+        registry.register("dependency_up", "1 when the dependency answers (postgres, redis)", up.clone());
         registry.register("reconciles", "Reconciliations per controller", reconciles.clone());
         registry.register("reconcile_errors", "Failed reconciliations per controller", reconcile_errors.clone());
         registry.register("reconcile_duration_seconds", "Reconciliation duration", reconcile_seconds.clone());
@@ -56,7 +105,20 @@ impl Default for Metrics {
             "Batched heartbeat UPDATEs written",
             heartbeat_flushes.clone(),
         );
-        Self { registry, reconciles, reconcile_errors, reconcile_seconds, heartbeats, heartbeat_flushes }
+        Self {
+            registry,
+            reconciles,
+            reconcile_errors,
+            reconcile_seconds,
+            heartbeats,
+            heartbeat_flushes,
+            claim_seconds,
+            election_events,
+            registrations,
+            runs_online,
+            jobs_queued,
+            up,
+        }
     }
 }
 

@@ -60,7 +60,7 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "elect").await;
     let db = TestDb::new().await;
-    let _op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
     let pp = PostParams::default();
 
@@ -97,6 +97,18 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
     })
     .await;
     assert!(events.iter().any(|r| r == "BecameMaster"), "{events:?}");
+    // Metrics carry the election history and the live roles.
+    let metrics = support::http().get(op.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
+    for line in [
+        "prism_election_events{cause=\"elected\"} 1".to_string(),
+        "prism_election_events{cause=\"preempted\"} 1".to_string(),
+        format!("prism_controller_registrations{{namespace=\"{ns}\",role=\"master\"}} 1"),
+        format!("prism_controller_registrations{{namespace=\"{ns}\",role=\"peer\"}} 2"),
+        "prism_dependency_up{dependency=\"postgres\"} 1".to_string(),
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
+    assert!(metrics.contains("prism_reconciles_total{controller=\"controllerregistration\"}"), "{metrics}");
 
     // (4) The master wraps (resource deleted): released as wrapped, the best peer (the
     // earliest non-desktop, code-a) is promoted in term 3.

@@ -109,6 +109,10 @@ async fn hello_heartbeat_supersede_and_online_status() {
     let out = w.cp.kubectl_ok(&["get", "rsess", "-n", &w.ns, "--no-headers"]);
     assert!(out.contains("srv-1") && out.contains("Online"), "{out}");
 
+    let metrics = support::http().get(w.op.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
+    assert!(metrics.lines().any(|l| l == "prism_runtime_runs_online 1"), "{metrics}");
+    assert!(metrics.lines().any(|l| l == "prism_dependency_up{dependency=\"redis\"} 1"), "{metrics}");
+
     // Heartbeat renews the lease and stores the snapshot.
     run.capacity.insert("slots".into(), 2);
     let beat = run.heartbeat().await.expect("heartbeat");

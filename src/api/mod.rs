@@ -58,8 +58,50 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    refresh_gauges(&state).await;
     let headers = [(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")];
     (headers, state.metrics.render()).into_response()
+}
+
+/// Cluster-wide gauges, read at scrape time. A dependency that does not answer is
+/// reported down and its gauges keep their last value.
+async fn refresh_gauges(state: &AppState) {
+    use crate::telemetry::{CauseLabels, DependencyLabels, RoleLabels};
+    let m = &state.metrics;
+    let pg_up = async {
+        let causes: Vec<(String, i64)> =
+            sqlx::query_as("SELECT cause, count(*) FROM controller_election_events GROUP BY cause").fetch_all(&state.db).await.map_err(|e| e.to_string())?;
+        for (cause, n) in causes {
+            m.election_events.get_or_create(&CauseLabels { cause }).set(n);
+        }
+        let roles: Vec<(String, bool, i64)> = sqlx::query_as(
+            "SELECT namespace, is_master, count(*) FROM controller_registrations WHERE released_at IS NULL GROUP BY 1, 2",
+        )
+        .fetch_all(&state.db)
+        .await
+        .map_err(|e| e.to_string())?;
+        m.registrations.clear();
+        for (namespace, master, n) in roles {
+            let role = if master { "master" } else { "peer" }.to_string();
+            m.registrations.get_or_create(&RoleLabels { namespace, role }).set(n);
+        }
+        m.jobs_queued.set(state.runtime.jobs.queue_depth().await.map_err(|e| e.to_string())?);
+        Ok::<_, String>(())
+    }
+    .await
+    .is_ok();
+    m.up.get_or_create(&DependencyLabels { dependency: "postgres".into() }).set(i64::from(pg_up));
+    let redis_up = state.redis.ping().await.is_ok();
+    m.up.get_or_create(&DependencyLabels { dependency: "redis".into() }).set(i64::from(redis_up));
+    if redis_up && let Ok(identities) = state.runtime.identities.all_targets().await {
+        let mut online = 0;
+        for t in identities {
+            if matches!(state.redis.session(&t).await, Ok(Some(_))) {
+                online += 1;
+            }
+        }
+        m.runs_online.set(online);
+    }
 }
 
 /// Liveness: the process serves requests. Dependencies are /readyz's business.

@@ -193,8 +193,10 @@ pub async fn claim(
         return Err(ApiError::invalid(format!("max must be 1 to {MAX_CLAIM}")));
     }
     // No session (Redis down included) means no job is assigned.
+    let started = std::time::Instant::now();
     let (target, session) = authenticated(&state, &headers).await?;
     let jobs = state.runtime.claim(&target, &session, max).await?;
+    state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
     Ok(Json(json!({"jobs": jobs})))
 }
 

@@ -123,6 +123,15 @@ impl IdentityStore {
             .await?)
     }
 
+    /// Every live (server, component).
+    pub async fn all_targets(&self) -> Result<Vec<Target>, RuntimeError> {
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT server_instance_id, component_kind FROM run_identities WHERE revoked_at IS NULL")
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows.into_iter().map(|(s, c)| Target { server_instance_id: s, component_kind: c }).collect())
+    }
+
     /// Whether this resource currently owns its identity.
     pub async fn owns(&self, id: Uuid) -> Result<bool, RuntimeError> {
         Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM run_identities WHERE id = $1 AND revoked_at IS NULL)")
