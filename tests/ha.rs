@@ -37,18 +37,11 @@ async fn the_standby_takes_over_when_the_leader_dies() {
     let db = TestDb::new().await;
     let start = |pod: &'static str| {
         let (cp, db_url, ns) = (cp, db.url.clone(), ns.clone());
-        async move {
-            Operator::start(
-                cp,
-                &db_url,
-                &ns,
-                &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod), ("POD_NAMESPACE", &ns)],
-            )
-            .await
-        }
+        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
     };
     let mut replicas = [("replica-a", Some(start("replica-a").await)), ("replica-b", Some(start("replica-b").await))];
-    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    // The Lease lives in the operator's own namespace.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), support::OPERATOR_NAMESPACE);
     let leader = eventually(20, "a leader", || async {
         leases.get_opt("prism-operator-leader").await.ok().flatten()?.spec?.holder_identity
     })

@@ -35,7 +35,11 @@ pub fn assets_dir() -> PathBuf {
 }
 
 pub struct ControlPlane {
+    /// Cluster admin: what tests use to set things up and look.
     pub kubeconfig: PathBuf,
+    /// What operator processes use: the admin kubeconfig, or (PRISM_TEST_OPERATOR_RBAC=chart)
+    /// a token of the Helm chart's ServiceAccount with exactly the chart's RBAC.
+    pub operator_kubeconfig: PathBuf,
     // Holding the pipe keeps the control plane alive; when this process ends, however it
     // ends, the pipe closes and scripts/control-plane stops etcd and kube-apiserver.
     _stdin: Mutex<ChildStdin>,
@@ -73,7 +77,12 @@ fn start_control_plane() -> ControlPlane {
         }
     }
     let kubeconfig = kubeconfig.unwrap_or_else(|| panic!("control plane did not start; logs in {}", dir.display()));
-    let cp = ControlPlane { kubeconfig, _stdin: Mutex::new(stdin), _child: Mutex::new(child) };
+    let mut cp = ControlPlane {
+        operator_kubeconfig: kubeconfig.clone(),
+        kubeconfig,
+        _stdin: Mutex::new(stdin),
+        _child: Mutex::new(child),
+    };
     cp.kubectl_ok(&["apply", "--server-side", "-f", repo_root().join("crds").to_str().expect("utf-8 path")]);
     cp.kubectl_ok(&[
         "wait",
@@ -82,7 +91,46 @@ fn start_control_plane() -> ControlPlane {
         "crd/controllerregistrations.prism.ntecdev.ai",
         "crd/runsessions.prism.ntecdev.ai",
     ]);
+    cp.kubectl_ok(&["create", "namespace", OPERATOR_NAMESPACE]);
+    if std::env::var("PRISM_TEST_OPERATOR_RBAC").as_deref() == Ok("chart") {
+        cp.operator_kubeconfig = chart_rbac_kubeconfig(&cp, &dir);
+    }
     cp
+}
+
+/// The namespace the operator "runs in" (its Lease lives there).
+pub const OPERATOR_NAMESPACE: &str = "prism-system";
+
+/// Installs the chart's ServiceAccount and RBAC (rendered by helm, as a user's install
+/// would) and returns a kubeconfig authenticating as that ServiceAccount.
+fn chart_rbac_kubeconfig(cp: &ControlPlane, dir: &Path) -> PathBuf {
+    let chart = repo_root().join("charts/prism-operator");
+    let out = Command::new(assets_dir().join("helm"))
+        .args(["template", "prism", chart.to_str().expect("utf-8"), "--namespace", OPERATOR_NAMESPACE])
+        .args(["--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac.yaml"])
+        .env("HELM_CACHE_HOME", dir.join("helm-cache"))
+        .env("HELM_CONFIG_HOME", dir.join("helm-config"))
+        .output()
+        .expect("helm template");
+    assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));
+    let rbac = String::from_utf8(out.stdout).expect("utf-8");
+    let applied = cp.kubectl(&["apply", "-f", "-"], Some(&rbac));
+    assert!(applied.ok, "apply chart RBAC: {}", applied.stderr);
+    let token =
+        cp.kubectl_ok(&["create", "token", "prism-prism-operator", "-n", OPERATOR_NAMESPACE, "--duration", "6h"]);
+    let admin: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(&cp.kubeconfig).expect("kubeconfig")).expect("yaml");
+    let cluster = &admin["clusters"][0]["cluster"];
+    let kubeconfig = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {}\n    certificate-authority-data: {}\nusers:\n- name: operator\n  user:\n    token: {}\ncontexts:\n- name: c\n  context: {{cluster: c, user: operator}}\ncurrent-context: c\n",
+        cluster["server"].as_str().expect("server"),
+        cluster["certificate-authority-data"].as_str().expect("ca"),
+        token.trim()
+    );
+    let path = dir.join("operator-kubeconfig");
+    std::fs::write(&path, kubeconfig).expect("write kubeconfig");
+    eprintln!("operator processes run with the chart's ServiceAccount (PRISM_TEST_OPERATOR_RBAC=chart)");
+    path
 }
 
 pub struct Output {
@@ -247,7 +295,8 @@ impl Operator {
             .env("DATABASE_URL", database_url)
             .env("REDIS_URL", redis_url())
             .env("PRISM_REDIS_PREFIX", redis_prefix())
-            .env("KUBECONFIG", &cp.kubeconfig)
+            .env("KUBECONFIG", &cp.operator_kubeconfig)
+            .env("POD_NAMESPACE", OPERATOR_NAMESPACE)
             .env("PRISM_LISTEN", format!("127.0.0.1:{port}"))
             .env("PRISM_WATCH_NAMESPACE", namespace)
             .env("PRISM_LEADER_ELECTION", "false")
