@@ -151,3 +151,50 @@ async fn readyz_reports_an_unreachable_redis() {
     assert_eq!(body["checks"]["postgres"]["status"], "ok", "{body}");
     assert_eq!(body["status"], "degraded", "{body}");
 }
+
+#[tokio::test]
+async fn works_as_a_kubectl_plugin() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "plugin").await;
+    // Installed as `kubectl-prism` on PATH, kubectl finds it as `kubectl prism`.
+    let bin_dir = std::env::temp_dir().join(format!("prism-plugin-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&bin_dir).expect("dir");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_prism-operator"), bin_dir.join("kubectl-prism")).expect("symlink");
+    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let out = Command::new(support::assets_dir().join("kubectl"))
+        .args(["prism", "status", "PID-NONE", "-n", &ns, "-o", "json"])
+        .env("PATH", path)
+        .env("KUBECONFIG", &cp.kubeconfig)
+        .output()
+        .expect("kubectl prism runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(table["project_id"], "PID-NONE");
+    assert_eq!(table["namespace"], ns.as_str());
+    assert!(table["master"].is_null());
+}
+
+#[test]
+fn credential_new_writes_a_private_key_only_its_owner_can_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("prism-cred-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let key = dir.join("run.key");
+    let out = bin()
+        .args(["credential", "new", "--key-file", key.to_str().expect("utf-8"), "--generation", "3"])
+        .output()
+        .expect("runs");
+    assert!(out.status.success());
+    let block = String::from_utf8(out.stdout).expect("utf-8");
+    let doc: serde_yaml::Value = serde_yaml::from_str(&block).expect("YAML block");
+    assert_eq!(doc["credential"]["generation"], 3);
+    let public = doc["credential"]["publicKey"].as_str().expect("publicKey");
+    assert_eq!(public.len(), 44);
+    assert_eq!(std::fs::metadata(&key).expect("key file").permissions().mode() & 0o777, 0o600);
+    assert!(!block.contains(std::fs::read_to_string(&key).expect("key").trim()), "the private key is not printed");
+    // Never overwrites a key by accident.
+    let again = bin().args(["credential", "new", "--key-file", key.to_str().expect("utf-8")]).output().expect("runs");
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("exists; use --force"));
+}
