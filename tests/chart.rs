@@ -96,6 +96,11 @@ fn default_ha_and_demo_values_render() {
     let deploy = ha.iter().find(|d| d["kind"] == "Deployment").expect("deployment");
     assert_eq!(deploy["spec"]["replicas"], 3);
 
+    let extras = render(&["--set", "serviceMonitor.enabled=true", "--set", "networkPolicy.enabled=true"]);
+    let k = kinds(&extras);
+    assert!(k.iter().any(|x| x == "ServiceMonitor/prism-prism-operator"), "{k:?}");
+    assert!(k.iter().any(|x| x == "NetworkPolicy/prism-prism-operator"), "{k:?}");
+
     let demo = render(&["--set", "demo.enabled=true"]);
     let k = kinds(&demo);
     for want in [

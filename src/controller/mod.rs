@@ -109,6 +109,32 @@ pub fn to_time(t: chrono::DateTime<chrono::Utc>) -> k8s_openapi::apimachinery::p
     k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(ts)
 }
 
+/// A status condition that keeps its lastTransitionTime while its status does not change.
+pub fn condition(
+    previous: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+    type_: &str,
+    ok: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    let status = if ok { "True" } else { "False" }.to_string();
+    let last_transition_time = previous
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or_else(|| to_time(now));
+    k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+        type_: type_.into(),
+        status,
+        reason: reason.into(),
+        message: message.into(),
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
 fn error_policy<K>(_obj: Arc<K>, error: &ControllerError, _ctx: Arc<Context>) -> Action {
     warn!(%error, "reconcile failed; retrying in 5 s");
     Action::requeue(Duration::from_secs(5))

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event as KubeEvent, EventType};
@@ -18,7 +18,7 @@ use serde_json::json;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Context, ControllerError, FIELD_MANAGER, to_time};
+use super::{Context, ControllerError, FIELD_MANAGER, condition, to_time};
 use crate::crd::{
     ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, RegistrationRef, ReleaseReason, Role,
 };
@@ -192,9 +192,9 @@ pub fn build_status(
         ("HeartbeatFresh", "heartbeat within the stale threshold".to_string())
     };
     let conditions = vec![
-        condition(previous, "Ready", ready, ready_reason, &ready_msg, generation, now),
-        condition(previous, "Master", role == Role::Master, master_reason, &master_msg, generation, now),
-        condition(previous, "Stale", stale, stale_reason, &stale_msg, generation, now),
+        condition(&previous.conditions, "Ready", ready, ready_reason, &ready_msg, generation, now),
+        condition(&previous.conditions, "Master", role == Role::Master, master_reason, &master_msg, generation, now),
+        condition(&previous.conditions, "Stale", stale, stale_reason, &stale_msg, generation, now),
     ];
     ControllerRegistrationStatus {
         role,
@@ -226,8 +226,16 @@ fn duplicate_status(
         role: Role::Pending,
         observed_generation: generation,
         conditions: vec![
-            condition(previous, "Ready", false, "DuplicateSession", &msg, generation, now),
-            condition(previous, "Master", false, "DuplicateSession", "not in the election", generation, now),
+            condition(&previous.conditions, "Ready", false, "DuplicateSession", &msg, generation, now),
+            condition(
+                &previous.conditions,
+                "Master",
+                false,
+                "DuplicateSession",
+                "not in the election",
+                generation,
+                now,
+            ),
         ],
         ..Default::default()
     }
@@ -238,33 +246,6 @@ fn released_reason(r: ReleaseReason) -> &'static str {
         ReleaseReason::Wrapped => "Wrapped",
         ReleaseReason::ContextSwitch => "ContextSwitch",
         ReleaseReason::StaleHeartbeatIncident => "StaleHeartbeatIncident",
-    }
-}
-
-/// A condition that keeps its lastTransitionTime while its status does not change.
-fn condition(
-    previous: &ControllerRegistrationStatus,
-    type_: &str,
-    status: bool,
-    reason: &str,
-    message: &str,
-    generation: Option<i64>,
-    now: DateTime<Utc>,
-) -> Condition {
-    let status = if status { "True" } else { "False" }.to_string();
-    let last_transition_time = previous
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_ && c.status == status)
-        .map(|c| c.last_transition_time.clone())
-        .unwrap_or_else(|| to_time(now));
-    Condition {
-        type_: type_.to_string(),
-        status,
-        reason: reason.to_string(),
-        message: message.to_string(),
-        observed_generation: generation,
-        last_transition_time,
     }
 }
 

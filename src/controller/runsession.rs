@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event as KubeEvent, EventType};
@@ -17,7 +17,7 @@ use serde_json::json;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Context, ControllerError, FIELD_MANAGER, to_time};
+use super::{Context, ControllerError, FIELD_MANAGER, condition, to_time};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
 use crate::runtime::identity::{Identity, Mirror};
 use crate::runtime::{RuntimeError, Session};
@@ -158,32 +158,6 @@ fn ms_time(ms: i64) -> Option<Time> {
     DateTime::<Utc>::from_timestamp_millis(ms).map(to_time)
 }
 
-fn condition(
-    previous: &RunSessionStatus,
-    type_: &str,
-    ok: bool,
-    reason: &str,
-    message: &str,
-    generation: Option<i64>,
-    now: DateTime<Utc>,
-) -> Condition {
-    let status = if ok { "True" } else { "False" }.to_string();
-    let last_transition_time = previous
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_ && c.status == status)
-        .map(|c| c.last_transition_time.clone())
-        .unwrap_or_else(|| to_time(now));
-    Condition {
-        type_: type_.into(),
-        status,
-        reason: reason.into(),
-        message: message.into(),
-        observed_generation: generation,
-        last_transition_time,
-    }
-}
-
 /// The safe projection of a session into status (pure): never a token, hash, key name or
 /// credential — only what a platform engineer needs to see.
 pub fn project(
@@ -210,8 +184,8 @@ pub fn project(
                 unavailable_reason: None,
                 observed_generation: generation,
                 conditions: vec![
-                    condition(previous, "Ready", true, "Identity", "identity registered", generation, now),
-                    condition(previous, "Online", true, "LeaseHeld", "session lease held", generation, now),
+                    condition(&previous.conditions, "Ready", true, "Identity", "identity registered", generation, now),
+                    condition(&previous.conditions, "Online", true, "LeaseHeld", "session lease held", generation, now),
                 ],
             }
         }
@@ -249,9 +223,9 @@ pub fn project(
                 unavailable_reason: reason,
                 observed_generation: generation,
                 conditions: vec![
-                    condition(previous, "Ready", true, "Identity", "identity registered", generation, now),
+                    condition(&previous.conditions, "Ready", true, "Identity", "identity registered", generation, now),
                     condition(
-                        previous,
+                        &previous.conditions,
                         "Online",
                         false,
                         if ever { "LeaseExpired" } else { "NeverConnected" },
@@ -272,9 +246,9 @@ fn unavailable(previous: &RunSessionStatus, generation: Option<i64>, now: DateTi
         unavailable_reason: Some(UnavailableReason::RedisUnavailable),
         observed_generation: generation,
         conditions: vec![
-            condition(previous, "Ready", true, "Identity", "identity registered", generation, now),
+            condition(&previous.conditions, "Ready", true, "Identity", "identity registered", generation, now),
             condition(
-                previous,
+                &previous.conditions,
                 "Online",
                 false,
                 "RegistryUnavailable",
@@ -296,7 +270,7 @@ fn duplicate_status(
     RunSessionStatus {
         phase: RunPhase::Pending,
         observed_generation: generation,
-        conditions: vec![condition(previous, "Ready", false, "DuplicateIdentity", msg, generation, now)],
+        conditions: vec![condition(&previous.conditions, "Ready", false, "DuplicateIdentity", msg, generation, now)],
         ..Default::default()
     }
 }
