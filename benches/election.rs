@@ -1,0 +1,263 @@
+//! Election benchmark: the project and a baseline side by side in one run, on the same
+//! real Postgres (and, for (c), the real kube-apiserver), printing the ratio.
+//!
+//!   scripts/bench election   (or: cargo bench --bench election, with the services up)
+//!
+//! (a) registrations/s through the store vs. the raw SQL of the same work (one
+//!     transaction: advisory lock on the project, read the live master, insert), at the
+//!     same concurrency (target >= 0.7);
+//! (b) heartbeats/s through the HTTP API (coalesced) vs. one `UPDATE ... WHERE id = $1`
+//!     per heartbeat (target >= 5x);
+//! (c) 1,000 registrations over 100 projects created on the API server: seconds until
+//!     every status is right / seconds the API server took to accept the creates (target
+//!     <= 1.5), and the operator's peak RSS then (target <= 64 MiB).
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use kube::api::PostParams;
+use kube::{Api, ResourceExt};
+use prism_operator::crd::{AgentSurface, ControllerRegistration, ControllerRegistrationSpec, Role};
+use prism_operator::election::{ElectionStore, NewRegistration};
+use serde_json::json;
+use uuid::Uuid;
+
+const CONCURRENCY: usize = 16;
+const WINDOW: Duration = Duration::from_secs(5);
+const PROJECTS: usize = 50;
+
+async fn rate<F, Fut>(op: F) -> f64
+where
+    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = bool> + Send,
+{
+    let op = Arc::new(op);
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CONCURRENCY)
+        .map(|i| {
+            let (op, done) = (op.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while start.elapsed() < WINDOW {
+                    if !op(i, n).await {
+                        break;
+                    }
+                    n += 1;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+fn surface(n: u64) -> AgentSurface {
+    AgentSurface::ALL[(n % 5) as usize]
+}
+
+fn peak_rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(f64::NAN)
+}
+
+#[tokio::main]
+async fn main() {
+    let cp = support::control_plane();
+    let client = cp.client().await;
+    let db = support::TestDb::new().await;
+    println!("prism-operator election benchmark (concurrency {CONCURRENCY}, {}s windows)\n", WINDOW.as_secs());
+
+    // (a) registrations through the store vs. raw SQL, each on PROJECTS projects.
+    let store = ElectionStore::new(db.pool.clone());
+    let s = store.clone();
+    let store_rate = rate(move |i, n| {
+        let s = s.clone();
+        async move {
+            let reg = NewRegistration {
+                id: Uuid::new_v4(),
+                namespace: "bench-store".into(),
+                name: format!("r-{i}-{n}"),
+                project_id: format!("p{}", (i as u64 * 7919 + n) % PROJECTS as u64),
+                session_id: format!("s-{i}-{n}"),
+                surface: surface(n),
+            };
+            s.register(&reg).await.is_ok()
+        }
+    })
+    .await;
+    for p in 0..PROJECTS {
+        sqlx::query("INSERT INTO controller_projects (namespace, project_id) VALUES ('bench-raw', $1)")
+            .bind(format!("p{p}"))
+            .execute(&db.pool)
+            .await
+            .expect("project");
+    }
+    let pool = db.pool.clone();
+    let raw_rate = rate(move |i, n| {
+        let pool = pool.clone();
+        async move {
+            let project = format!("p{}", (i as u64 * 7919 + n) % PROJECTS as u64);
+            let work = async {
+                let mut tx = pool.begin().await?;
+                sqlx::query("SELECT pg_advisory_xact_lock(hashtext('bench-raw/' || $1))").bind(&project).execute(&mut *tx).await?;
+                let master: Option<Uuid> = sqlx::query_scalar(
+                    "SELECT id FROM controller_registrations
+                     WHERE namespace = 'bench-raw' AND project_id = $1 AND is_master AND released_at IS NULL",
+                )
+                .bind(&project)
+                .fetch_optional(&mut *tx)
+                .await?;
+                sqlx::query(
+                    "INSERT INTO controller_registrations (id, namespace, name, project_id, session_id, agent_surface, is_master, master_term)
+                     VALUES ($1, 'bench-raw', $2, $3, $4, $5, $6, CASE WHEN $6 THEN 1 END)",
+                )
+                .bind(Uuid::new_v4())
+                .bind(format!("r-{i}-{n}"))
+                .bind(&project)
+                .bind(format!("s-{i}-{n}"))
+                .bind(surface(n).as_str())
+                .bind(master.is_none())
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                Ok::<_, sqlx::Error>(())
+            };
+            work.await.is_ok()
+        }
+    })
+    .await;
+    println!(
+        "(a) registrations/s  store {store_rate:>8.0}   raw SQL {raw_rate:>8.0}   ratio {:.2}   (target >= 0.7)",
+        store_rate / raw_rate
+    );
+
+    // (b) heartbeats: the HTTP API (coalesced) vs. one UPDATE per heartbeat.
+    let ns = support::namespace(&client, "benchhb").await;
+    let op = support::Operator::start(cp, &db.url, &ns, &[("RUST_LOG", "warn")]).await;
+    let token = support::agent_token(cp, &ns, "bench", &["create"]);
+    let http = support::http();
+    let mut ids = Vec::new();
+    for i in 0..CONCURRENCY {
+        let r = http
+            .post(op.url("/api/v1/controller/register"))
+            .bearer_auth(&token)
+            .json(&json!({"namespace": ns, "project_id": "HB", "session_id": format!("hb-{i}"), "agent_surface": "claude_code"}))
+            .send()
+            .await
+            .expect("register");
+        let body: serde_json::Value = r.json().await.expect("json");
+        ids.push(Uuid::parse_str(body["registration"]["id"].as_str().expect("id")).expect("uuid"));
+    }
+    let (h, base, tok, ns2) = (http.clone(), op.base.clone(), token.clone(), ns.clone());
+    let api_hb = rate(move |i, _| {
+        let (h, base, tok, ns) = (h.clone(), base.clone(), tok.clone(), ns2.clone());
+        async move {
+            h.post(format!("{base}/api/v1/controller/heartbeat"))
+                .bearer_auth(&tok)
+                .json(&json!({"namespace": ns, "session_id": format!("hb-{i}")}))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        }
+    })
+    .await;
+    let (pool, ids) = (db.pool.clone(), Arc::new(ids));
+    let raw_hb = rate(move |i, _| {
+        let (pool, ids) = (pool.clone(), ids.clone());
+        async move {
+            sqlx::query("UPDATE controller_registrations SET last_heartbeat = now() WHERE id = $1")
+                .bind(ids[i])
+                .execute(&pool)
+                .await
+                .is_ok()
+        }
+    })
+    .await;
+    println!(
+        "(b) heartbeats/s     API {api_hb:>10.0}   UPDATE each {raw_hb:>6.0}   ratio {:.1}x   (target >= 5x)",
+        api_hb / raw_hb
+    );
+    drop(op);
+
+    // (c) 1,000 registrations over 100 projects on the API server.
+    let ns = support::namespace(&client, "benchconv").await;
+    let op = support::Operator::start(cp, &db.url, &ns, &[("RUST_LOG", "warn")]).await;
+    let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
+    let started = Instant::now();
+    futures::stream::iter(0..1000u64)
+        .map(|n| {
+            let api = api.clone();
+            async move {
+                let spec = ControllerRegistrationSpec {
+                    project_id: format!("P{:03}", n % 100),
+                    session_id: format!("conv-{n}"),
+                    agent_surface: surface(n / 100),
+                };
+                api.create(&PostParams::default(), &ControllerRegistration::new(&format!("c{n:04}"), spec))
+                    .await
+                    .expect("create");
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await;
+    let accepted = started.elapsed();
+    // Right: per project one Master, everyone else Peer, and all agree on who masters.
+    let converged = loop {
+        let list = api.list(&Default::default()).await.expect("list");
+        let mut by_project: BTreeMap<String, (usize, usize, std::collections::BTreeSet<String>, Option<String>)> =
+            BTreeMap::new();
+        for r in &list.items {
+            let e = by_project.entry(r.spec.project_id.clone()).or_default();
+            if let Some(st) = &r.status {
+                match st.role {
+                    Role::Master => {
+                        e.0 += 1;
+                        e.3 = Some(r.name_any());
+                    }
+                    Role::Peer => e.1 += 1,
+                    _ => {}
+                }
+                if let Some(m) = &st.master {
+                    e.2.insert(m.name.clone());
+                }
+            }
+        }
+        let ok = list.items.len() == 1000
+            && by_project.len() == 100
+            && by_project.values().all(|(m, p, named, master)| {
+                *m == 1 && m + p == 10 && named.len() == 1 && master.as_ref().is_some_and(|x| named.contains(x))
+            });
+        if ok {
+            break started.elapsed();
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            println!("(c) did not converge within 300 s");
+            break started.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!(
+        "(c) 1,000 registrations / 100 projects: accepted in {:.2}s, all statuses right at {:.2}s, ratio {:.2}   (target <= 1.5); operator peak RSS {:.1} MiB (target <= 64)",
+        accepted.as_secs_f64(),
+        converged.as_secs_f64(),
+        converged.as_secs_f64() / accepted.as_secs_f64(),
+        peak_rss_mib(op.pid())
+    );
+}
