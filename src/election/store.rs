@@ -3,7 +3,7 @@
 //! `controller_projects.term` and a `controller_election_events` row. A context switch is
 //! two transactions (D5). Races on the partial unique indexes are retried, never surfaced.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgPool, Postgres, Transaction};
@@ -75,6 +75,17 @@ pub struct Touched {
     pub name: String,
 }
 
+/// How one TXN2 attempt ended.
+enum Attempt {
+    Done(Box<Registration>, BTreeSet<Touched>),
+    /// A row with this id exists already.
+    Exists,
+    /// The session is live on this project under another registration.
+    Duplicate(Uuid),
+    /// The session is live on another project: context switch first.
+    ContextSwitch(Uuid),
+}
+
 #[derive(Clone, Debug)]
 pub enum RegisterOutcome {
     /// Registered now, or already (idempotent): the row as it stands.
@@ -126,6 +137,24 @@ impl ElectionStore {
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(namespace).bind(session_id).fetch_optional(&self.pool).await?)
     }
 
+    /// (is_master, preempted, the project's term) of a session's live registration: what a
+    /// heartbeat answers, in one indexed read.
+    pub async fn heartbeat_view(
+        &self,
+        namespace: &str,
+        session_id: &str,
+    ) -> Result<Option<(bool, bool, i64)>, ElectionError> {
+        Ok(sqlx::query_as(
+            "SELECT r.is_master, r.preempted, p.term FROM controller_registrations r
+             JOIN controller_projects p ON p.namespace = r.namespace AND p.project_id = r.project_id
+             WHERE r.namespace = $1 AND r.session_id = $2 AND r.released_at IS NULL",
+        )
+        .bind(namespace)
+        .bind(session_id)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
     /// Term, master and live registrations of a project (master first, then by succession).
     pub async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
         let term: Option<i64> =
@@ -170,36 +199,29 @@ impl ElectionStore {
     pub async fn register(&self, new: &NewRegistration) -> Result<(RegisterOutcome, BTreeSet<Touched>), ElectionError> {
         let mut touched = BTreeSet::new();
         for attempt in 1..=MAX_ATTEMPTS {
+            // Known already (live or released): registration is idempotent. This is the
+            // path of every periodic reconcile, so it is one indexed read, no lock.
             if let Some(existing) = self.get(new.id).await? {
-                // Known already (live or released): registration is idempotent.
                 return Ok((RegisterOutcome::Registered(existing), touched));
             }
-            if let Some(other) = self.live_by_session(&new.namespace, &new.session_id).await? {
-                if other.id == new.id {
-                    // Registered by a concurrent caller (API and reconciler race) since the
-                    // lookup above: that is this registration.
-                    return Ok((RegisterOutcome::Registered(other), touched));
+            match self.register_once(new).await {
+                Ok(Attempt::Done(row, t)) => {
+                    touched.extend(t);
+                    return Ok((RegisterOutcome::Registered(*row), touched));
                 }
-                if other.project_id == new.project_id {
-                    return Ok((RegisterOutcome::DuplicateSession { existing: other }, touched));
+                // Inserted by a concurrent caller (API and reconciler race): read it back.
+                Ok(Attempt::Exists) => continue,
+                Ok(Attempt::Duplicate(other)) => {
+                    let existing = self.get(other).await?.ok_or(ElectionError::NotFound(other))?;
+                    return Ok((RegisterOutcome::DuplicateSession { existing }, touched));
                 }
-                // TXN1: context switch away from the old project.
-                match self.release_once(other.id, ReleaseReason::ContextSwitch).await {
+                // TXN1 (D5): the session is live on another project; leave it, then elect.
+                Ok(Attempt::ContextSwitch(other)) => match self.release_once(other, ReleaseReason::ContextSwitch).await
+                {
                     Ok(t) => touched.extend(t),
                     Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => continue,
                     Err(e) => return Err(e),
-                }
-            }
-            // TXN2: the election on the new project.
-            match self.register_once(new).await {
-                Ok(Some((row, t))) => {
-                    touched.extend(t);
-                    return Ok((RegisterOutcome::Registered(row), touched));
-                }
-                // The session became live elsewhere meanwhile: go around again.
-                Ok(None) => {
-                    debug!(attempt, session = %new.session_id, "session moved during registration; retrying")
-                }
+                },
                 Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => {
                     debug!(attempt, error = %e, "lost a registration race; retrying")
                 }
@@ -209,25 +231,32 @@ impl ElectionStore {
         Err(ElectionError::Contended(MAX_ATTEMPTS))
     }
 
-    async fn register_once(
-        &self,
-        new: &NewRegistration,
-    ) -> Result<Option<(Registration, BTreeSet<Touched>)>, ElectionError> {
+    /// TXN2: one election on the new project, in as few round trips as the rules allow
+    /// (lock, read, insert+notify, commit for a plain peer).
+    async fn register_once(&self, new: &NewRegistration) -> Result<Attempt, ElectionError> {
         let mut tx = self.pool.begin().await?;
-        let state = lock_project(&mut tx, &new.namespace, &new.project_id).await?;
-        let clash: Option<Uuid> = sqlx::query_scalar(
-            "SELECT id FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND released_at IS NULL",
-        )
-        .bind(&new.namespace)
-        .bind(&new.session_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if clash.is_some() {
-            return Ok(None);
+        let (term, now) = lock_project_row(&mut tx, &new.namespace, &new.project_id).await?;
+        let rows = read_rows(&mut tx, &new.namespace, &new.project_id, Some((&new.session_id, new.id))).await?;
+        if rows.iter().any(|r| r.id == new.id) {
+            return Ok(Attempt::Exists);
         }
-        let registered_at: DateTime<Utc> = sqlx::query_scalar(
-            "INSERT INTO controller_registrations (id, namespace, name, project_id, session_id, agent_surface)
-             VALUES ($1, $2, $3, $4, $5, $6) RETURNING registered_at",
+        if let Some(other) = rows.iter().find(|r| r.live && r.session_id == new.session_id) {
+            return Ok(if other.project_id == new.project_id {
+                Attempt::Duplicate(other.id)
+            } else {
+                Attempt::ContextSwitch(other.id)
+            });
+        }
+        let (state, mut names) = project_state(term, &rows, &new.project_id);
+        names.insert(new.id, new.name.clone());
+        let candidate = Candidate { id: new.id, surface: new.surface, registered_at: now, is_master: false };
+        let decision = decide(&state, &Event::Register(candidate));
+        sqlx::query(
+            "WITH ins AS (
+                 INSERT INTO controller_registrations
+                     (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $7) RETURNING 1)
+             SELECT pg_notify($8, $9) FROM ins",
         )
         .bind(new.id)
         .bind(&new.namespace)
@@ -235,15 +264,33 @@ impl ElectionStore {
         .bind(&new.project_id)
         .bind(&new.session_id)
         .bind(new.surface.as_str())
-        .fetch_one(&mut *tx)
+        .bind(now)
+        .bind(crate::controller::NOTIFY_REGISTRATIONS)
+        .bind(format!("{}/{}", new.namespace, new.name))
+        .execute(&mut *tx)
         .await?;
-        let candidate = Candidate { id: new.id, surface: new.surface, registered_at, is_master: false };
-        let decision = decide(&state, &Event::Register(candidate));
-        let touched = apply(&mut tx, &new.namespace, &new.project_id, &state, &decision).await?;
-        let sql = format!("SELECT {COLUMNS} FROM controller_registrations WHERE id = $1");
-        let row: Registration = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(new.id).fetch_one(&mut *tx).await?;
+        let touched = apply(&mut tx, &new.namespace, &new.project_id, &state, &decision, &names, Some(new.id)).await?;
         tx.commit().await?;
-        Ok(Some((row, touched)))
+        let is_master = decision.next.master().is_some_and(|m| m.id == new.id);
+        let row = Registration {
+            id: new.id,
+            namespace: new.namespace.clone(),
+            name: new.name.clone(),
+            project_id: new.project_id.clone(),
+            session_id: new.session_id.clone(),
+            agent_surface: new.surface.as_str().to_string(),
+            is_master,
+            master_term: is_master.then_some(decision.next.term),
+            registered_at: now,
+            last_heartbeat: now,
+            released_at: None,
+            release_reason: None,
+            preempted: false,
+            preempted_by: None,
+        };
+        let mut touched = touched;
+        touched.insert(Touched { namespace: new.namespace.clone(), name: new.name.clone() });
+        Ok(Attempt::Done(Box::new(row), touched))
     }
 
     /// Releases a registration (wrap, context switch) and promotes a successor if it was
@@ -268,9 +315,9 @@ impl ElectionStore {
             return Ok(BTreeSet::new());
         }
         let mut tx = self.pool.begin().await?;
-        let state = lock_project(&mut tx, &row.namespace, &row.project_id).await?;
+        let (state, names) = lock_project(&mut tx, &row.namespace, &row.project_id).await?;
         let decision = decide(&state, &Event::Release { ids: vec![id], reason });
-        let touched = apply(&mut tx, &row.namespace, &row.project_id, &state, &decision).await?;
+        let touched = apply(&mut tx, &row.namespace, &row.project_id, &state, &decision, &names, None).await?;
         if reason == ReleaseReason::ContextSwitch && !decision.transitions.is_empty() {
             write_wrap_nudge(&mut tx, &row).await?;
         }
@@ -328,7 +375,7 @@ impl ElectionStore {
         stale_minutes: u32,
     ) -> Result<BTreeSet<Touched>, ElectionError> {
         let mut tx = self.pool.begin().await?;
-        let state = lock_project(&mut tx, namespace, project_id).await?;
+        let (state, names) = lock_project(&mut tx, namespace, project_id).await?;
         // Re-read under the lock: a heartbeat may have arrived since the scan.
         let stale: Vec<Uuid> = sqlx::query_scalar(
             "SELECT id FROM controller_registrations
@@ -344,7 +391,7 @@ impl ElectionStore {
             return Ok(BTreeSet::new());
         }
         let decision = decide(&state, &Event::Release { ids: stale, reason: ReleaseReason::StaleHeartbeatIncident });
-        let touched = apply(&mut tx, namespace, project_id, &state, &decision).await?;
+        let touched = apply(&mut tx, namespace, project_id, &state, &decision, &names, None).await?;
         tx.commit().await?;
         Ok(touched)
     }
@@ -369,41 +416,84 @@ impl ElectionStore {
     }
 }
 
-/// Creates the project row if needed, locks it, and reads the live candidates.
-async fn lock_project(
+/// Locks the project row, creating it on first use; returns its term and the
+/// transaction's timestamp (the registration time, from the database's clock).
+async fn lock_project_row(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
-) -> Result<ProjectState, ElectionError> {
+) -> Result<(i64, DateTime<Utc>), ElectionError> {
+    const LOCK: &str =
+        "SELECT term, now() FROM controller_projects WHERE namespace = $1 AND project_id = $2 FOR UPDATE";
+    if let Some(locked) = sqlx::query_as(LOCK).bind(namespace).bind(project_id).fetch_optional(&mut **tx).await? {
+        return Ok(locked);
+    }
     sqlx::query("INSERT INTO controller_projects (namespace, project_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
         .bind(namespace)
         .bind(project_id)
         .execute(&mut **tx)
         .await?;
-    let term: i64 =
-        sqlx::query_scalar("SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2 FOR UPDATE")
-            .bind(namespace)
-            .bind(project_id)
-            .fetch_one(&mut **tx)
-            .await?;
-    let rows: Vec<(Uuid, String, DateTime<Utc>, bool)> = sqlx::query_as(
-        "SELECT id, agent_surface, registered_at, is_master FROM controller_registrations
-         WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL",
+    Ok(sqlx::query_as(LOCK).bind(namespace).bind(project_id).fetch_one(&mut **tx).await?)
+}
+
+#[derive(sqlx::FromRow)]
+struct Row {
+    id: Uuid,
+    name: String,
+    session_id: String,
+    project_id: String,
+    agent_surface: String,
+    registered_at: DateTime<Utc>,
+    is_master: bool,
+    live: bool,
+}
+
+/// The project's live rows, plus (when registering) the session's live row anywhere in
+/// the namespace and any row with the new id: one read for every check TXN2 needs.
+async fn read_rows(
+    tx: &mut Transaction<'_, Postgres>,
+    namespace: &str,
+    project_id: &str,
+    newcomer: Option<(&str, Uuid)>,
+) -> Result<Vec<Row>, ElectionError> {
+    let (session, id) = newcomer.unwrap_or(("", Uuid::nil()));
+    Ok(sqlx::query_as(
+        "SELECT id, name, session_id, project_id, agent_surface, registered_at, is_master, released_at IS NULL AS live
+         FROM controller_registrations
+         WHERE (namespace = $1 AND released_at IS NULL AND (project_id = $2 OR session_id = $3)) OR id = $4",
     )
     .bind(namespace)
     .bind(project_id)
+    .bind(session)
+    .bind(id)
     .fetch_all(&mut **tx)
-    .await?;
-    let live = rows
+    .await?)
+}
+
+fn project_state(term: i64, rows: &[Row], project_id: &str) -> (ProjectState, HashMap<Uuid, String>) {
+    let live: Vec<&Row> = rows.iter().filter(|r| r.live && r.project_id == project_id).collect();
+    let names = live.iter().map(|r| (r.id, r.name.clone())).collect();
+    let live = live
         .into_iter()
-        .map(|(id, surface, registered_at, is_master)| Candidate {
-            id,
-            surface: surface.parse().unwrap_or(AgentSurface::Other),
-            registered_at,
-            is_master,
+        .map(|r| Candidate {
+            id: r.id,
+            surface: r.agent_surface.parse().unwrap_or(AgentSurface::Other),
+            registered_at: r.registered_at,
+            is_master: r.is_master,
         })
         .collect();
-    Ok(ProjectState { term, live })
+    (ProjectState { term, live }, names)
+}
+
+/// Locks the project and reads its live candidates (and their names).
+async fn lock_project(
+    tx: &mut Transaction<'_, Postgres>,
+    namespace: &str,
+    project_id: &str,
+) -> Result<(ProjectState, HashMap<Uuid, String>), ElectionError> {
+    let (term, _) = lock_project_row(tx, namespace, project_id).await?;
+    let rows = read_rows(tx, namespace, project_id, None).await?;
+    Ok(project_state(term, &rows, project_id))
 }
 
 /// Writes a decision: role changes in order (demotions and releases before promotions),
@@ -416,6 +506,8 @@ async fn apply(
     project_id: &str,
     before: &ProjectState,
     decision: &Decision,
+    names: &HashMap<Uuid, String>,
+    already_notified: Option<Uuid>,
 ) -> Result<BTreeSet<Touched>, ElectionError> {
     let term = decision.next.term;
     for (id, transition) in &decision.transitions {
@@ -476,23 +568,26 @@ async fn apply(
         affected.extend(before.live.iter().map(|c| c.id));
         affected.extend(decision.next.live.iter().map(|c| c.id));
     }
-    if affected.is_empty() {
-        return Ok(BTreeSet::new());
-    }
-    let ids: Vec<Uuid> = affected.into_iter().collect();
-    let names: Vec<String> = sqlx::query_scalar("SELECT name FROM controller_registrations WHERE id = ANY($1)")
-        .bind(&ids)
-        .fetch_all(&mut **tx)
-        .await?;
+    let touched: BTreeSet<Touched> = affected
+        .iter()
+        .filter_map(|id| names.get(id))
+        .map(|name| Touched { namespace: namespace.to_string(), name: name.clone() })
+        .collect();
     // Delivered at commit to the leader replica, whichever replica made the change.
-    for name in &names {
-        sqlx::query("SELECT pg_notify($1, $2)")
+    let payloads: Vec<String> = affected
+        .iter()
+        .filter(|id| Some(**id) != already_notified)
+        .filter_map(|id| names.get(id))
+        .map(|name| format!("{namespace}/{name}"))
+        .collect();
+    if !payloads.is_empty() {
+        sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
             .bind(crate::controller::NOTIFY_REGISTRATIONS)
-            .bind(format!("{namespace}/{name}"))
+            .bind(&payloads)
             .execute(&mut **tx)
             .await?;
     }
-    Ok(names.into_iter().map(|name| Touched { namespace: namespace.to_string(), name }).collect())
+    Ok(touched)
 }
 
 /// D5: context switch tells the old session to wrap. A missing `nudges` table must not
