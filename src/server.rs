@@ -87,6 +87,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         heartbeats,
         triggers: triggers.clone(),
         stale_window: chrono::Duration::hours(24),
+        views: Default::default(),
     };
     let auth = api::auth::Authorizer::new(kube.clone());
     let state = Arc::new(AppState { db: pool, redis, kube, auth, agents, runtime, triggers, metrics });

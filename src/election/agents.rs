@@ -93,6 +93,14 @@ pub struct HeartbeatReply {
     pub term: i64,
 }
 
+/// How long a heartbeat answer may be reused for the same session: the coalescing
+/// window, so a role change shows in heartbeat replies within a quarter second (fencing
+/// writes is `/fence`'s job, which always reads Postgres).
+const HEARTBEAT_VIEW_TTL: std::time::Duration = std::time::Duration::from_millis(250);
+
+type HeartbeatViews =
+    std::sync::Mutex<std::collections::HashMap<(String, String), (std::time::Instant, (bool, bool, i64))>>;
+
 #[derive(Clone)]
 pub struct AgentService {
     pub client: Client,
@@ -100,6 +108,7 @@ pub struct AgentService {
     pub heartbeats: HeartbeatCoalescer,
     pub triggers: Triggers,
     pub stale_window: chrono::Duration,
+    pub views: std::sync::Arc<HeartbeatViews>,
 }
 
 /// A readable, valid resource name for a registration: the project id folded to a DNS
@@ -198,11 +207,29 @@ impl AgentService {
     }
 
     pub async fn heartbeat(&self, namespace: &str, session_id: &str) -> Result<HeartbeatReply, AgentError> {
-        let (is_master, preempted, term) = self
-            .store
-            .heartbeat_view(namespace, session_id)
-            .await?
-            .ok_or_else(|| AgentError::NotRegistered(session_id.to_string()))?;
+        let key = (namespace.to_string(), session_id.to_string());
+        let cached = self
+            .views
+            .lock()
+            .ok()
+            .and_then(|v| v.get(&key).filter(|(at, _)| at.elapsed() < HEARTBEAT_VIEW_TTL).map(|(_, view)| *view));
+        let (is_master, preempted, term) = match cached {
+            Some(view) => view,
+            None => {
+                let view = self
+                    .store
+                    .heartbeat_view(namespace, session_id)
+                    .await?
+                    .ok_or_else(|| AgentError::NotRegistered(session_id.to_string()))?;
+                if let Ok(mut views) = self.views.lock() {
+                    if views.len() > 100_000 {
+                        views.retain(|_, (at, _)| at.elapsed() < HEARTBEAT_VIEW_TTL);
+                    }
+                    views.insert(key, (std::time::Instant::now(), view));
+                }
+                view
+            }
+        };
         // The write is coalesced: this call costs Postgres one indexed read.
         self.heartbeats.beat(namespace, session_id);
         let role = if is_master { "Master" } else { "Peer" };
