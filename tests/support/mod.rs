@@ -225,7 +225,10 @@ impl TestDb {
 
     async fn create(migrate: bool) -> TestDb {
         let admin = admin_database_url();
-        let name = format!("prism_test_{}", uuid::Uuid::new_v4().simple());
+        // The creation time in the name lets scripts/test drop only leftovers of runs
+        // that are long over, never the databases of a run going on beside it.
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let name = format!("prism_test_{secs}_{}", uuid::Uuid::new_v4().simple());
         let admin_pool = PgPoolOptions::new().max_connections(1).connect(&admin).await.expect("connect to Postgres");
         // The name is ours (a uuid), not input.
         sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
