@@ -12,14 +12,15 @@
 //!     every status is right / seconds the API server took to accept the creates (target
 //!     <= 1.5), and the operator's peak RSS then (target <= 64 MiB).
 
+mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::{CONCURRENCY, WINDOW, rate};
 use futures::StreamExt;
 use kube::api::PostParams;
 use kube::{Api, ResourceExt};
@@ -28,38 +29,7 @@ use prism_operator::election::{ElectionStore, NewRegistration};
 use serde_json::json;
 use uuid::Uuid;
 
-const CONCURRENCY: usize = 16;
-const WINDOW: Duration = Duration::from_secs(5);
 const PROJECTS: usize = 50;
-
-async fn rate<F, Fut>(op: F) -> f64
-where
-    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = bool> + Send,
-{
-    let op = Arc::new(op);
-    let done = Arc::new(AtomicU64::new(0));
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..CONCURRENCY)
-        .map(|i| {
-            let (op, done) = (op.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut n = 0u64;
-                while start.elapsed() < WINDOW {
-                    if !op(i, n).await {
-                        break;
-                    }
-                    n += 1;
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        })
-        .collect();
-    for t in tasks {
-        let _ = t.await;
-    }
-    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
-}
 
 fn surface(n: u64) -> AgentSurface {
     AgentSurface::ALL[(n % 5) as usize]

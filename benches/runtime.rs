@@ -12,22 +12,20 @@
 //! (c) seconds from a Run's last heartbeat to `phase: Offline` in its status, 20 Runs,
 //!     5 s lease (target p99 <= lease + 2 s).
 
+mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::{CONCURRENCY, WINDOW, rate};
 use kube::Api;
 use kube::api::PostParams;
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec};
 use prism_operator::runclient::{self, RunClient};
 use prism_operator::runtime::service::token_hash;
 use prism_operator::runtime::{RedisStore, Target};
-
-const CONCURRENCY: usize = 16;
-const WINDOW: Duration = Duration::from_secs(5);
 
 async fn runs(api: &Api<RunSession>, base: &str, prefix: &str, n: usize, lease: Option<i32>) -> Vec<RunClient> {
     let mut out = Vec::new();
@@ -54,35 +52,6 @@ async fn runs(api: &Api<RunSession>, base: &str, prefix: &str, n: usize, lease: 
     out
 }
 
-/// Runs `op` on CONCURRENCY tasks for WINDOW; returns operations per second.
-async fn rate<F, Fut>(op: F) -> f64
-where
-    F: Fn(usize) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = bool> + Send,
-{
-    let op = Arc::new(op);
-    let done = Arc::new(AtomicU64::new(0));
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..CONCURRENCY)
-        .map(|i| {
-            let (op, done) = (op.clone(), done.clone());
-            tokio::spawn(async move {
-                while start.elapsed() < WINDOW {
-                    if op(i).await {
-                        done.fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        break;
-                    }
-                }
-            })
-        })
-        .collect();
-    for t in tasks {
-        let _ = t.await;
-    }
-    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
-}
-
 #[tokio::main]
 async fn main() {
     let cp = support::control_plane();
@@ -97,7 +66,7 @@ async fn main() {
     // (a) heartbeats
     let hb_runs = Arc::new(runs(&api, &op.base, "hb", CONCURRENCY, None).await);
     let r = hb_runs.clone();
-    let api_rate = rate(move |i| {
+    let api_rate = rate(move |i, _| {
         let r = r.clone();
         async move { r[i].heartbeat().await.is_ok() }
     })
@@ -116,7 +85,7 @@ async fn main() {
             })
             .collect(),
     );
-    let raw_rate = rate(move |i| {
+    let raw_rate = rate(move |i, _| {
         let (mut conn, script, keys) = (conn.clone(), script.clone(), keys.clone());
         async move {
             let (s, r, h) = &keys[i];
@@ -149,14 +118,14 @@ async fn main() {
     };
     fill("cl").await;
     let r = claim_runs.clone();
-    let api_claims = rate(move |i| {
+    let api_claims = rate(move |i, _| {
         let r = r.clone();
         async move { r[i].claim(1).await.map(|j| j.len() == 1).unwrap_or(false) }
     })
     .await;
     fill("raw").await;
     let pool = db.pool.clone();
-    let raw_claims = rate(move |i| {
+    let raw_claims = rate(move |i, _| {
         let pool = pool.clone();
         async move {
             let row: Option<(uuid::Uuid,)> = sqlx::query_as(
