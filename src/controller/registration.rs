@@ -65,7 +65,12 @@ async fn apply(
         session_id: obj.spec.session_id.clone(),
         surface: obj.spec.agent_surface,
     };
-    let (outcome, touched) = ctx.election.register(&new).await?;
+    // Most reconciles find the registration known (a resync, a trigger): one indexed read
+    // without the project lock.
+    let (outcome, touched) = match ctx.election.get(id).await? {
+        Some(row) => (RegisterOutcome::Registered(row), Default::default()),
+        None => ctx.election.register(&new).await?,
+    };
     ctx.triggers.registrations(touched.into_iter().filter(|t| t.name != new.name || t.namespace != ns));
 
     ensure_project_label(obj, api).await;

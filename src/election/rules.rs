@@ -346,6 +346,17 @@ mod tests {
         assert!(d.transitions.contains(&(Uuid::from_u128(3), Transition::JoinedAsPeer)));
     }
 
+    #[test]
+    fn a_masterless_project_is_not_decided_on_the_master_alone() {
+        // The store's shortcut (decide on the master only) must flag a master change here,
+        // so that it reads the whole project and repairs it.
+        let full = ProjectState { term: 7, live: vec![cand(1, Codex, 0), cand(2, ClaudeDesktop, 1)] };
+        let master_only = ProjectState { term: 7, live: vec![] };
+        let quick = decide(&master_only, &Event::Register(cand(3, Other, 2)));
+        assert!(quick.master_change.is_some());
+        assert_eq!(decide(&full, &Event::Register(cand(3, Other, 2))).next.master().map(|c| c.id.as_u128()), Some(2));
+    }
+
     // ---- properties over random histories ----------------------------------------------
 
     #[derive(Clone, Debug)]
@@ -441,6 +452,14 @@ mod tests {
                         let before = w.projects[project].clone();
                         let d = decide(&before, &Event::Register(c.clone()));
                         w.check(project, &d);
+                        // The store decides on the master alone first and reads the whole
+                        // project only when that changes the master: both must agree.
+                        let master_only = ProjectState { term: before.term, live: before.master().cloned().into_iter().collect() };
+                        let quick = decide(&master_only, &Event::Register(c.clone()));
+                        prop_assert_eq!(quick.master_change.is_some(), d.master_change.is_some());
+                        if quick.master_change.is_none() {
+                            prop_assert_eq!(&quick.transitions, &d.transitions);
+                        }
                         // Preemption only by a desktop registering, and only of a non-desktop.
                         if let Some(old) = before.master()
                             && d.next.master().map(|m| m.id) != Some(old.id)

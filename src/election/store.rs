@@ -1,5 +1,5 @@
 //! The election's Postgres side: each event is one transaction that locks the project
-//! row, reads the live candidates, applies `rules::decide` and writes registrations,
+//! (an advisory lock), reads the live candidates, applies `rules::decide` and writes registrations,
 //! `controller_projects.term` and a `controller_election_events` row. A context switch is
 //! two transactions (D5). Races on the partial unique indexes are retried, never surfaced.
 
@@ -195,22 +195,23 @@ impl ElectionStore {
     }
 
     /// Registers (rules 1-4, 6) and, when the session is live on another project, first
-    /// leaves that one (rule 7: TXN1 release + nudge, TXN2 election). Idempotent.
+    /// leaves that one (rule 7: TXN1 release + nudge, TXN2 election). Idempotent: a known
+    /// id returns its row as it stands. Callers that usually find the row already (a
+    /// periodic reconcile) should `get` it first, which takes no lock.
     pub async fn register(&self, new: &NewRegistration) -> Result<(RegisterOutcome, BTreeSet<Touched>), ElectionError> {
         let mut touched = BTreeSet::new();
         for attempt in 1..=MAX_ATTEMPTS {
-            // Known already (live or released): registration is idempotent. This is the
-            // path of every periodic reconcile, so it is one indexed read, no lock.
-            if let Some(existing) = self.get(new.id).await? {
-                return Ok((RegisterOutcome::Registered(existing), touched));
-            }
             match self.register_once(new).await {
                 Ok(Attempt::Done(row, t)) => {
                     touched.extend(t);
                     return Ok((RegisterOutcome::Registered(*row), touched));
                 }
-                // Inserted by a concurrent caller (API and reconciler race): read it back.
-                Ok(Attempt::Exists) => continue,
+                // Inserted before (or by a concurrent caller: API and reconciler race).
+                Ok(Attempt::Exists) => {
+                    if let Some(existing) = self.get(new.id).await? {
+                        return Ok((RegisterOutcome::Registered(existing), touched));
+                    }
+                }
                 Ok(Attempt::Duplicate(other)) => {
                     let existing = self.get(other).await?.ok_or(ElectionError::NotFound(other))?;
                     return Ok((RegisterOutcome::DuplicateSession { existing }, touched));
@@ -231,32 +232,70 @@ impl ElectionStore {
         Err(ElectionError::Contended(MAX_ATTEMPTS))
     }
 
-    /// TXN2: one election on the new project, in as few round trips as the rules allow
-    /// (lock, read, insert+notify, commit for a plain peer).
+    /// TXN2: one election on the new project. The common case, a peer joining a project
+    /// that has a master, is decided on the master alone (`rules` proves that enough):
+    /// lock, one read, insert, commit. Only when the decision changes the master does it
+    /// read the whole project, because then every registration's status changes.
     async fn register_once(&self, new: &NewRegistration) -> Result<Attempt, ElectionError> {
         let mut tx = self.pool.begin().await?;
-        let (term, now) = lock_project_row(&mut tx, &new.namespace, &new.project_id).await?;
-        let rows = read_rows(&mut tx, &new.namespace, &new.project_id, Some((&new.session_id, new.id))).await?;
-        if rows.iter().any(|r| r.id == new.id) {
+        lock_project(&mut tx, &new.namespace, &new.project_id).await?;
+        let rows: Vec<NewcomerRow> = sqlx::query_as(
+            "SELECT id, name, session_id, project_id, agent_surface, registered_at, is_master,
+                    released_at IS NULL AS live,
+                    (SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2) AS term,
+                    clock_timestamp() AS now
+             FROM controller_registrations
+             WHERE (namespace = $1 AND released_at IS NULL AND ((project_id = $2 AND is_master) OR session_id = $3))
+                OR id = $4",
+        )
+        .bind(&new.namespace)
+        .bind(&new.project_id)
+        .bind(&new.session_id)
+        .bind(new.id)
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.iter().any(|r| r.row.id == new.id) {
             return Ok(Attempt::Exists);
         }
-        if let Some(other) = rows.iter().find(|r| r.live && r.session_id == new.session_id) {
-            return Ok(if other.project_id == new.project_id {
-                Attempt::Duplicate(other.id)
+        if let Some(other) = rows.iter().find(|r| r.row.live && r.row.session_id == new.session_id) {
+            return Ok(if other.row.project_id == new.project_id {
+                Attempt::Duplicate(other.row.id)
             } else {
-                Attempt::ContextSwitch(other.id)
+                Attempt::ContextSwitch(other.row.id)
             });
         }
-        let (state, mut names) = project_state(term, &rows, &new.project_id);
+        let masters: Vec<Row> = rows
+            .iter()
+            .filter(|r| r.row.project_id == new.project_id && r.row.is_master)
+            .map(|r| r.row.clone())
+            .collect();
+        let known = rows.first().and_then(|r| Some((r.term?, r.now)));
+        let mut candidate = Candidate { id: new.id, surface: new.surface, registered_at: Utc::now(), is_master: false };
+        let fast = known.and_then(|(term, now)| {
+            candidate.registered_at = now;
+            let (state, names) = project_state(term, &masters, &new.project_id);
+            let decision = decide(&state, &Event::Register(candidate.clone()));
+            decision.master_change.is_none().then_some((state, names, decision))
+        });
+        let (state, mut names, decision) = match fast {
+            Some(decided) => decided,
+            None => {
+                // A new master: read the whole project (its term, creating its row on
+                // first use, and every live registration, whose status.master changes).
+                let (term, now) = project_row(&mut tx, &new.namespace, &new.project_id).await?;
+                candidate.registered_at = now;
+                let rows = read_rows(&mut tx, &new.namespace, &new.project_id).await?;
+                let (state, names) = project_state(term, &rows, &new.project_id);
+                let decision = decide(&state, &Event::Register(candidate.clone()));
+                (state, names, decision)
+            }
+        };
+        let now = candidate.registered_at;
         names.insert(new.id, new.name.clone());
-        let candidate = Candidate { id: new.id, surface: new.surface, registered_at: now, is_master: false };
-        let decision = decide(&state, &Event::Register(candidate));
         sqlx::query(
-            "WITH ins AS (
-                 INSERT INTO controller_registrations
-                     (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $7) RETURNING 1)
-             SELECT pg_notify($8, $9) FROM ins",
+            "INSERT INTO controller_registrations
+                 (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
         )
         .bind(new.id)
         .bind(&new.namespace)
@@ -265,10 +304,10 @@ impl ElectionStore {
         .bind(&new.session_id)
         .bind(new.surface.as_str())
         .bind(now)
-        .bind(crate::controller::NOTIFY_REGISTRATIONS)
-        .bind(format!("{}/{}", new.namespace, new.name))
         .execute(&mut *tx)
         .await?;
+        // The newcomer's own status follows from its own reconcile (its creation is a
+        // watch event), so only the others are announced.
         let touched = apply(&mut tx, &new.namespace, &new.project_id, &state, &decision, &names, Some(new.id)).await?;
         tx.commit().await?;
         let is_master = decision.next.master().is_some_and(|m| m.id == new.id);
@@ -315,7 +354,7 @@ impl ElectionStore {
             return Ok(BTreeSet::new());
         }
         let mut tx = self.pool.begin().await?;
-        let (state, names) = lock_project(&mut tx, &row.namespace, &row.project_id).await?;
+        let (state, names) = lock_and_read(&mut tx, &row.namespace, &row.project_id).await?;
         let decision = decide(&state, &Event::Release { ids: vec![id], reason });
         let touched = apply(&mut tx, &row.namespace, &row.project_id, &state, &decision, &names, None).await?;
         if reason == ReleaseReason::ContextSwitch && !decision.transitions.is_empty() {
@@ -375,7 +414,7 @@ impl ElectionStore {
         stale_minutes: u32,
     ) -> Result<BTreeSet<Touched>, ElectionError> {
         let mut tx = self.pool.begin().await?;
-        let (state, names) = lock_project(&mut tx, namespace, project_id).await?;
+        let (state, names) = lock_and_read(&mut tx, namespace, project_id).await?;
         // Re-read under the lock: a heartbeat may have arrived since the scan.
         let stale: Vec<Uuid> = sqlx::query_scalar(
             "SELECT id FROM controller_registrations
@@ -416,27 +455,43 @@ impl ElectionStore {
     }
 }
 
-/// Locks the project row, creating it on first use; returns its term and the
-/// transaction's timestamp (the registration time, from the database's clock).
-async fn lock_project_row(
+/// Serialises every election event of one project (all writers take it): a
+/// transaction-scoped advisory lock, so no tuple is written to take it and it is released
+/// by commit or rollback, whatever happens to the connection.
+async fn lock_project(
+    tx: &mut Transaction<'_, Postgres>,
+    namespace: &str,
+    project_id: &str,
+) -> Result<(), ElectionError> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2, 0))")
+        .bind(namespace)
+        .bind(project_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The project's term (creating its row on first use) and the time now, read after the
+/// lock, so registration times follow the order in which the lock was granted.
+async fn project_row(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
 ) -> Result<(i64, DateTime<Utc>), ElectionError> {
-    const LOCK: &str =
-        "SELECT term, now() FROM controller_projects WHERE namespace = $1 AND project_id = $2 FOR UPDATE";
-    if let Some(locked) = sqlx::query_as(LOCK).bind(namespace).bind(project_id).fetch_optional(&mut **tx).await? {
-        return Ok(locked);
+    const READ: &str =
+        "SELECT term, clock_timestamp() FROM controller_projects WHERE namespace = $1 AND project_id = $2";
+    if let Some(found) = sqlx::query_as(READ).bind(namespace).bind(project_id).fetch_optional(&mut **tx).await? {
+        return Ok(found);
     }
     sqlx::query("INSERT INTO controller_projects (namespace, project_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
         .bind(namespace)
         .bind(project_id)
         .execute(&mut **tx)
         .await?;
-    Ok(sqlx::query_as(LOCK).bind(namespace).bind(project_id).fetch_one(&mut **tx).await?)
+    Ok(sqlx::query_as(READ).bind(namespace).bind(project_id).fetch_one(&mut **tx).await?)
 }
 
-#[derive(sqlx::FromRow)]
+#[derive(Clone, sqlx::FromRow)]
 struct Row {
     id: Uuid,
     name: String,
@@ -448,24 +503,29 @@ struct Row {
     live: bool,
 }
 
-/// The project's live rows, plus (when registering) the session's live row anywhere in
-/// the namespace and any row with the new id: one read for every check TXN2 needs.
+/// What a registration reads in one statement: a row plus the project's term (None when
+/// the project has no row yet) and the time the lock was held.
+#[derive(sqlx::FromRow)]
+struct NewcomerRow {
+    #[sqlx(flatten)]
+    row: Row,
+    term: Option<i64>,
+    now: DateTime<Utc>,
+}
+
+/// The project's live rows.
 async fn read_rows(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
-    newcomer: Option<(&str, Uuid)>,
 ) -> Result<Vec<Row>, ElectionError> {
-    let (session, id) = newcomer.unwrap_or(("", Uuid::nil()));
     Ok(sqlx::query_as(
-        "SELECT id, name, session_id, project_id, agent_surface, registered_at, is_master, released_at IS NULL AS live
+        "SELECT id, name, session_id, project_id, agent_surface, registered_at, is_master, TRUE AS live
          FROM controller_registrations
-         WHERE (namespace = $1 AND released_at IS NULL AND (project_id = $2 OR session_id = $3)) OR id = $4",
+         WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL",
     )
     .bind(namespace)
     .bind(project_id)
-    .bind(session)
-    .bind(id)
     .fetch_all(&mut **tx)
     .await?)
 }
@@ -485,14 +545,15 @@ fn project_state(term: i64, rows: &[Row], project_id: &str) -> (ProjectState, Ha
     (ProjectState { term, live }, names)
 }
 
-/// Locks the project and reads its live candidates (and their names).
-async fn lock_project(
+/// Locks the project and reads its term and live candidates (and their names).
+async fn lock_and_read(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
 ) -> Result<(ProjectState, HashMap<Uuid, String>), ElectionError> {
-    let (term, _) = lock_project_row(tx, namespace, project_id).await?;
-    let rows = read_rows(tx, namespace, project_id, None).await?;
+    lock_project(tx, namespace, project_id).await?;
+    let (term, _) = project_row(tx, namespace, project_id).await?;
+    let rows = read_rows(tx, namespace, project_id).await?;
     Ok(project_state(term, &rows, project_id))
 }
 
