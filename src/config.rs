@@ -135,6 +135,12 @@ pub struct RunArgs {
     #[arg(long, env = "PRISM_JOB_VISIBILITY_SECONDS", default_value_t = 60,
           value_parser = clap::value_parser!(u32).range(1..=86_400))]
     pub job_visibility_seconds: u32,
+    /// Reconciles in flight at once per controller: bounds the operator's connections to
+    /// the API server (and its memory) when many resources change together. Reconciles
+    /// mostly wait on the API server and Postgres, so this is well above the core count.
+    #[arg(long, env = "PRISM_RECONCILE_CONCURRENCY", default_value_t = 64,
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub reconcile_concurrency: u16,
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "PRISM_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,

@@ -60,6 +60,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         triggers: triggers.clone(),
         stale_after: chrono::Duration::minutes(i64::from(args.peer_stale_minutes)),
         metrics: metrics.clone(),
+        reconcile_concurrency: args.reconcile_concurrency,
+        written_registrations: Default::default(),
+        written_runsessions: Default::default(),
     });
     // Controllers, the stale sweep, the job reaper and the registry watch: on the Lease
     // holder only when leader election is on; every replica serves the HTTP API.

@@ -101,6 +101,26 @@ fn default_ha_and_demo_values_render() {
     assert!(k.iter().any(|x| x == "ServiceMonitor/prism-prism-operator"), "{k:?}");
     assert!(k.iter().any(|x| x == "NetworkPolicy/prism-prism-operator"), "{k:?}");
 
+    // The admission policy: rendered where the cluster serves its API, off on request,
+    // and bound only to the watched namespace when there is one.
+    assert!(!k.iter().any(|x| x.starts_with("MutatingAdmissionPolicy")), "no policy without the API: {k:?}");
+    let api = ["--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"];
+    let k = kinds(&render(&api));
+    for want in [
+        "MutatingAdmissionPolicy/prism-prism-operator-registration-defaults",
+        "MutatingAdmissionPolicyBinding/prism-prism-operator-registration-defaults",
+    ] {
+        assert!(k.iter().any(|x| x == want), "{want} in {k:?}");
+    }
+    let off = kinds(&render(&[&api[..], &["--set", "admissionPolicy.enabled=false"]].concat()));
+    assert!(!off.iter().any(|x| x.starts_with("MutatingAdmissionPolicy")), "{off:?}");
+    let scoped = render(&[&api[..], &["--set", "config.watchNamespace=team-a"]].concat());
+    let binding = scoped.iter().find(|d| d["kind"] == "MutatingAdmissionPolicyBinding").expect("binding");
+    assert_eq!(
+        binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        "team-a"
+    );
+
     let demo = render(&["--set", "demo.enabled=true"]);
     let k = kinds(&demo);
     for want in [
@@ -152,9 +172,44 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
     assert_eq!(can("get", "secrets", &ns), "no");
     assert_eq!(can("list", "secrets", "kube-system"), "no");
 
+    // The cluster serves MutatingAdmissionPolicy, so the install brought the policy: a
+    // ControllerRegistration applied as a user would gets the finalizer and project label
+    // at admission (server-side dry run: admission runs, nothing is stored), and a
+    // project id that is no valid label value gets the finalizer only.
+    let registration = |project: &str| {
+        format!(
+            "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {{name: probe, namespace: {ns}}}\nspec: {{projectId: '{project}', sessionId: s, agentSurface: codex}}\n"
+        )
+    };
+    let admitted = |project: &str| -> serde_json::Value {
+        let out = cp.kubectl(&["create", "--dry-run=server", "-o", "json", "-f", "-"], Some(&registration(project)));
+        assert!(out.ok, "dry-run create: {}", out.stderr);
+        serde_json::from_str(&out.stdout).expect("json")
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let obj = loop {
+        let obj = admitted("PID-PGR01");
+        if obj["metadata"]["finalizers"].is_array() || std::time::Instant::now() > deadline {
+            break obj;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(obj["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]), "{obj}");
+    assert_eq!(obj["metadata"]["labels"]["prism.ntecdev.ai/project"], "PID-PGR01");
+    let long = admitted("not a label value");
+    assert_eq!(long["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]));
+    assert!(long["metadata"]["labels"]["prism.ntecdev.ai/project"].is_null(), "{long}");
+
     let (ok, _, err) = helm(&["uninstall", "prism", "--namespace", &ns, "--wait=false"], Some(&cp.kubeconfig));
     assert!(ok, "helm uninstall: {err}");
-    let left =
-        cp.kubectl_ok(&["get", "deploy,clusterrole", "-A", "-l", "app.kubernetes.io/instance=prism", "-o", "name"]);
+    let left = cp.kubectl_ok(&[
+        "get",
+        "deploy,clusterrole,mutatingadmissionpolicy,mutatingadmissionpolicybinding",
+        "-A",
+        "-l",
+        "app.kubernetes.io/instance=prism",
+        "-o",
+        "name",
+    ]);
     assert!(left.trim().is_empty(), "left behind: {left}");
 }

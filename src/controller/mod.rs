@@ -9,8 +9,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::{PredicateConfig, WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 
 use tokio::sync::mpsc;
@@ -90,6 +90,54 @@ pub struct Context {
     pub triggers: Triggers,
     pub stale_after: chrono::Duration,
     pub metrics: Arc<Metrics>,
+    /// Reconciles in flight at once, per controller.
+    pub reconcile_concurrency: u16,
+    pub written_registrations: Written<crate::crd::ControllerRegistrationStatus>,
+    pub written_runsessions: Written<crate::crd::RunSessionStatus>,
+}
+
+/// How long a status this replica wrote is preferred over the watch cache's copy.
+const WRITTEN_TTL: Duration = Duration::from_secs(10);
+
+/// The statuses this leader wrote in the last few seconds, by resource uid. The watch
+/// cache lags our own writes: a reconcile that comes sooner (an election trigger)
+/// would compare against the older status, write the same status again and repeat its
+/// Event. After `WRITTEN_TTL` the cache is trusted again, so a status changed by
+/// someone else is still corrected at the next reconcile.
+pub struct Written<S> {
+    entries: std::sync::Mutex<std::collections::HashMap<String, (std::time::Instant, S)>>,
+}
+
+impl<S> Default for Written<S> {
+    fn default() -> Self {
+        Self { entries: Default::default() }
+    }
+}
+
+impl<S: Clone> Written<S> {
+    /// The status to compare against: ours if we wrote one lately, else the cached one.
+    pub fn previous(&self, uid: Option<&str>, cached: Option<&S>) -> Option<S> {
+        let ours = uid.and_then(|uid| {
+            let entries = self.entries.lock().ok()?;
+            entries.get(uid).filter(|(at, _)| at.elapsed() < WRITTEN_TTL).map(|(_, s)| s.clone())
+        });
+        ours.or_else(|| cached.cloned())
+    }
+
+    pub fn wrote(&self, uid: Option<&str>, status: S) {
+        let (Some(uid), Ok(mut entries)) = (uid, self.entries.lock()) else { return };
+        if entries.len() >= 1024 {
+            entries.retain(|_, (at, _)| at.elapsed() < WRITTEN_TTL);
+        }
+        entries.insert(uid.to_string(), (std::time::Instant::now(), status));
+    }
+
+    /// Forgets everything: another leader may have written since.
+    pub fn clear(&self) {
+        if let Ok(mut entries) = self.entries.lock() {
+            entries.clear();
+        }
+    }
 }
 
 pub struct Receivers {
@@ -172,6 +220,8 @@ async fn drain<K: Resource, E: std::fmt::Display>(
 /// reaper and the registry watch. Dropping the future stops all of it.
 pub async fn lead(ctx: Arc<Context>, namespace: Option<String>, stale_minutes: u32, sweep_every: Duration) {
     let receivers = ctx.triggers.open();
+    ctx.written_registrations.clear();
+    ctx.written_runsessions.clear();
     tokio::join!(
         run_controllers(ctx.clone(), receivers, namespace),
         run_sweep(ctx.clone(), stale_minutes, sweep_every),
@@ -225,18 +275,49 @@ pub async fn run_notify_listener(ctx: Arc<Context>) {
 /// Runs both controllers until shutdown.
 pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace: Option<String>) {
     info!(namespace = namespace.as_deref().unwrap_or("<all>"), "controllers started");
-    let registrations =
-        Controller::new(api_for::<ControllerRegistration>(&ctx.client, &namespace), watcher::Config::default())
-            .reconcile_on(receiver_stream(receivers.registrations))
-            .shutdown_on_signal()
-            .run(registration::reconcile, error_policy, ctx.clone())
-            .for_each(drain);
-    let runsessions = Controller::new(api_for::<RunSession>(&ctx.client, &namespace), watcher::Config::default())
+    let config = kube::runtime::controller::Config::default().concurrency(ctx.reconcile_concurrency);
+    let registrations = controller_for(api_for::<ControllerRegistration>(&ctx.client, &namespace))
+        .with_config(config.clone())
+        .reconcile_on(receiver_stream(receivers.registrations))
+        .shutdown_on_signal()
+        .run(registration::reconcile, error_policy, ctx.clone())
+        .for_each(drain);
+    let runsessions = controller_for(api_for::<RunSession>(&ctx.client, &namespace))
+        .with_config(config)
         .reconcile_on(receiver_stream(receivers.runsessions))
         .shutdown_on_signal()
         .run(runsession::reconcile, error_policy, ctx.clone())
         .for_each(drain);
     futures::join!(registrations, runsessions);
+}
+
+/// A controller whose cache keeps no `managedFields` (most of a cached object's bytes,
+/// never read here) and which reconciles only on changes that matter to it: a new
+/// resource, a new generation, deletion, its finalizers (the RunSession reconciler adds
+/// its finalizer and waits for that change). Its status and label writes do not come
+/// back as reconciles; elections feed affected resources in through `Triggers`, and the
+/// periodic requeue restores a label someone removed.
+fn controller_for<K>(api: Api<K>) -> Controller<K>
+where
+    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let changes = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .modify(|obj: &mut K| obj.meta_mut().managed_fields = None)
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(changes_that_matter, PredicateConfig::default());
+    Controller::for_stream(changes, reader)
+}
+
+/// What a reconcile reacts to, as a hash (see `controller_for`).
+fn changes_that_matter<K: Resource>(obj: &K) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let meta = obj.meta();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (meta.generation, meta.deletion_timestamp.is_some(), &meta.finalizers).hash(&mut h);
+    Some(h.finish())
 }
 
 /// The stale sweep: once at start, then every `interval`.

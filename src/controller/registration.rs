@@ -12,7 +12,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event as KubeEvent, EventType};
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
@@ -33,16 +32,45 @@ pub async fn reconcile(obj: Arc<ControllerRegistration>, ctx: Arc<Context>) -> R
     let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
     let api: Api<ControllerRegistration> = Api::namespaced(ctx.client.clone(), &ns);
     let started = std::time::Instant::now();
-    let result = finalizer(&api, FINALIZER, obj, |event| async {
-        match event {
-            Finalizer::Apply(obj) => apply(&obj, &api, &ctx).await,
-            Finalizer::Cleanup(obj) => cleanup(&obj, &ctx).await,
+    let result = if obj.metadata.deletion_timestamp.is_some() {
+        cleanup(&obj, &api, &ctx).await
+    } else {
+        match ensure_metadata(&obj, &api).await {
+            Ok(current) => apply(current.as_ref().unwrap_or(&obj), &api, &ctx).await,
+            Err(e) => Err(e),
         }
-    })
-    .await
-    .map_err(|e| ControllerError::Finalizer(Box::new(e)));
+    };
     ctx.metrics.reconciled("controllerregistration", started.elapsed(), result.is_err());
     result
+}
+
+/// Puts the finalizer (so a delete always releases) and the project label on the
+/// resource in one merge patch, before it takes part in the election. Returns the
+/// updated resource when it wrote one. Registrations made through the HTTP API are
+/// created with both, so this writes only for resources applied with kubectl.
+async fn ensure_metadata(
+    obj: &ControllerRegistration,
+    api: &Api<ControllerRegistration>,
+) -> Result<Option<ControllerRegistration>, ControllerError> {
+    let project = obj.spec.project_id.as_str();
+    let label_ok = !is_label_value(project) || obj.labels().get(PROJECT_LABEL).map(String::as_str) == Some(project);
+    if obj.finalizers().iter().any(|f| f == FINALIZER) && label_ok {
+        return Ok(None);
+    }
+    let mut finalizers = obj.finalizers().to_vec();
+    if !finalizers.iter().any(|f| f == FINALIZER) {
+        finalizers.push(FINALIZER.to_string());
+    }
+    // The whole list, guarded by resourceVersion: a concurrent change makes this a
+    // conflict (retried), never a lost finalizer of someone else's.
+    let mut metadata = json!({"finalizers": finalizers, "resourceVersion": obj.resource_version()});
+    // A project id that is not a valid label value (over 63 characters, or other
+    // characters) is not copied; spec.projectId stays selectable as a field.
+    if is_label_value(project) {
+        metadata["labels"] = json!({PROJECT_LABEL: project});
+    }
+    let patch = json!({"metadata": metadata});
+    Ok(Some(api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?))
 }
 
 fn uid(obj: &ControllerRegistration) -> Result<Uuid, ControllerError> {
@@ -73,10 +101,8 @@ async fn apply(
     };
     ctx.triggers.registrations(touched.into_iter().filter(|t| t.name != new.name || t.namespace != ns));
 
-    ensure_project_label(obj, api).await;
-
     let now = Utc::now();
-    let previous = obj.status.clone().unwrap_or_default();
+    let previous = ctx.written_registrations.previous(obj.uid().as_deref(), obj.status.as_ref()).unwrap_or_default();
     let next = match &outcome {
         RegisterOutcome::Registered(row) => {
             let view = ctx.election.project(&row.namespace, &row.project_id).await?;
@@ -97,6 +123,7 @@ async fn apply(
             "status": next,
         });
         api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+        ctx.written_registrations.wrote(obj.uid().as_deref(), next.clone());
     }
     if let Some((type_, reason, note)) = role_event(&previous, &next) {
         publish(ctx, obj, type_, reason, note).await;
@@ -110,8 +137,15 @@ async fn apply(
     })
 }
 
-/// Deleting the resource is the wrap: release (promoting a successor) before it goes.
-async fn cleanup(obj: &ControllerRegistration, ctx: &Context) -> Result<Action, ControllerError> {
+/// Deleting the resource is the wrap: release (promoting a successor), then let it go.
+async fn cleanup(
+    obj: &ControllerRegistration,
+    api: &Api<ControllerRegistration>,
+    ctx: &Context,
+) -> Result<Action, ControllerError> {
+    if !obj.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(Action::await_change());
+    }
     let id = uid(obj)?;
     let touched = ctx.election.release(id, ReleaseReason::Wrapped).await?;
     let was_live = !touched.is_empty();
@@ -120,21 +154,16 @@ async fn cleanup(obj: &ControllerRegistration, ctx: &Context) -> Result<Action, 
         info!(namespace = ?obj.namespace(), name = %obj.name_any(), "registration wrapped");
         publish(ctx, obj, EventType::Normal, "Released", "released: wrapped (resource deleted)".into()).await;
     }
+    // The list without ours, guarded by resourceVersion: a concurrent change of the
+    // finalizers makes this a conflict (retried) rather than dropping someone else's.
+    let rest: Vec<&String> = obj.finalizers().iter().filter(|f| *f != FINALIZER).collect();
+    let patch = json!({"metadata": {"finalizers": rest, "resourceVersion": obj.resource_version()}});
+    match api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => return Err(e.into()),
+    }
     Ok(Action::await_change())
-}
-
-/// Keeps the `prism.ntecdev.ai/project` label equal to spec.projectId, for label
-/// selectors. A project id that is not a valid label value (over 63 characters, or other
-/// characters) is not copied; spec.projectId stays selectable as a field.
-async fn ensure_project_label(obj: &ControllerRegistration, api: &Api<ControllerRegistration>) {
-    let want = obj.spec.project_id.as_str();
-    if obj.labels().get(PROJECT_LABEL).map(String::as_str) == Some(want) || !is_label_value(want) {
-        return;
-    }
-    let patch = json!({"metadata": {"labels": {PROJECT_LABEL: want}}});
-    if let Err(e) = api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
-        warn!(name = %obj.name_any(), error = %e, "could not set the project label");
-    }
 }
 
 pub fn is_label_value(v: &str) -> bool {
@@ -296,9 +325,9 @@ pub fn role_event(
         (Role::Master, Role::Peer) => {
             Some((EventType::Normal, "Demoted", format!("now a peer; master is {master_name}")))
         }
-        (_, Role::Peer) => {
-            Some((EventType::Normal, "BecamePeer", format!("registered as peer; master is {master_name}")))
-        }
+        // Joining as a peer changes nobody's role: status and the routing table show it,
+        // and an Event per peer would double the API writes of every registration.
+        (_, Role::Peer) => None,
         (_, Role::Released) => {
             let reason = next.release_reason.map(crate::election::store::release_reason_str).unwrap_or("released");
             Some((EventType::Normal, "Released", format!("released: {reason}")))
@@ -408,6 +437,7 @@ mod tests {
         let peer = status_of(&p, &m, 1);
         let master = status_of(&m, &m, 1);
         assert_eq!(role_event(&Default::default(), &master).map(|e| e.1), Some("BecameMaster"));
+        assert_eq!(role_event(&Default::default(), &peer), None, "joining as a peer is no change of role");
         assert_eq!(role_event(&peer, &master).map(|e| e.1), Some("Promoted"));
         assert_eq!(role_event(&master, &master), None);
         let mut preempted = peer.clone();

@@ -65,7 +65,7 @@ pub async fn reconcile(obj: Arc<RunSession>, ctx: Arc<Context>) -> Result<Action
 async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
     let target = identity.target();
-    let previous = obj.status.clone().unwrap_or_default();
+    let previous = ctx.written_runsessions.previous(obj.uid().as_deref(), obj.status.as_ref()).unwrap_or_default();
     let now = Utc::now();
     let generation = obj.metadata.generation;
 
@@ -106,6 +106,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
     if needs_write(&previous, &next) {
         let patch = json!({"apiVersion": "prism.ntecdev.ai/v1alpha1", "kind": "RunSession", "status": next});
         api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+        ctx.written_runsessions.wrote(obj.uid().as_deref(), next.clone());
     }
     if previous.phase != next.phase {
         let (type_, reason, note) = match next.phase {

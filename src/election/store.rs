@@ -155,23 +155,35 @@ impl ElectionStore {
         .await?)
     }
 
-    /// Term, master and live registrations of a project (master first, then by succession).
+    /// Term, master and live registrations of a project (master first, then by succession),
+    /// in one read when the project has live registrations.
     pub async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
-        let term: Option<i64> =
-            sqlx::query_scalar("SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2")
-                .bind(namespace)
-                .bind(project_id)
-                .fetch_optional(&self.pool)
-                .await?;
+        #[derive(sqlx::FromRow)]
+        struct Live {
+            #[sqlx(flatten)]
+            row: Registration,
+            term: i64,
+        }
         let sql = format!(
-            "SELECT {COLUMNS} FROM controller_registrations
+            "SELECT {COLUMNS}, (SELECT term FROM controller_projects p WHERE p.namespace = $1 AND p.project_id = $2) AS term
+             FROM controller_registrations
              WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL
              ORDER BY is_master DESC, (agent_surface = 'claude_desktop') DESC, registered_at, id"
         );
-        let live: Vec<Registration> =
+        let rows: Vec<Live> =
             sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(namespace).bind(project_id).fetch_all(&self.pool).await?;
+        let term = match rows.first() {
+            Some(r) => r.term,
+            None => sqlx::query_scalar("SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2")
+                .bind(namespace)
+                .bind(project_id)
+                .fetch_optional(&self.pool)
+                .await?
+                .unwrap_or(0),
+        };
+        let live: Vec<Registration> = rows.into_iter().map(|r| r.row).collect();
         let master = live.iter().find(|r| r.is_master).cloned();
-        Ok(ProjectView { term: term.unwrap_or(0), master, live })
+        Ok(ProjectView { term, master, live })
     }
 
     /// Registrations of a project released by the stale sweep since `since`.

@@ -94,8 +94,41 @@ fn start_control_plane() -> ControlPlane {
     cp.kubectl_ok(&["create", "namespace", OPERATOR_NAMESPACE]);
     if std::env::var("PRISM_TEST_OPERATOR_RBAC").as_deref() == Ok("chart") {
         cp.operator_kubeconfig = chart_rbac_kubeconfig(&cp, &dir);
+        // As the chart installs it; without it (the default run) the operator adds the
+        // finalizer and label itself, so both paths are tested.
+        install_admission_policy(&cp);
     }
     cp
+}
+
+/// The chart's MutatingAdmissionPolicy (finalizer and project label at admission), as
+/// `helm install` renders it on a 1.36 cluster; returns once the API server applies it.
+pub fn install_admission_policy(cp: &ControlPlane) {
+    let chart = repo_root().join("charts/prism-operator");
+    let tmp = std::env::temp_dir().join(format!("prism-helm-{}", uuid::Uuid::new_v4().simple()));
+    let out = Command::new(assets_dir().join("helm"))
+        .args(["template", "prism", chart.to_str().expect("utf-8"), "--namespace", OPERATOR_NAMESPACE])
+        .args(["--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"])
+        .args(["--show-only", "templates/admission-policy.yaml"])
+        .env("HELM_CACHE_HOME", tmp.join("cache"))
+        .env("HELM_CONFIG_HOME", tmp.join("config"))
+        .output()
+        .expect("helm template");
+    assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));
+    let applied = cp.kubectl(&["apply", "-f", "-"], Some(&String::from_utf8_lossy(&out.stdout)));
+    assert!(applied.ok, "apply the admission policy: {}", applied.stderr);
+    // Policies take effect asynchronously: probe with server-side dry runs.
+    let probe = "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {name: policy-probe, namespace: default}\nspec: {projectId: probe, sessionId: probe, agentSurface: other}\n";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let out = cp
+            .kubectl(&["create", "--dry-run=server", "-o", "jsonpath={.metadata.finalizers}", "-f", "-"], Some(probe));
+        if out.ok && out.stdout.contains("prism.ntecdev.ai/release") {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "admission policy not in effect after 30 s: {}", out.stderr);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 /// The namespace the operator "runs in" (its Lease lives there).
