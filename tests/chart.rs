@@ -176,16 +176,29 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
     // ControllerRegistration applied as a user would gets the finalizer and project label
     // at admission (server-side dry run: admission runs, nothing is stored), and a
     // project id that is no valid label value gets the finalizer only.
-    let registration = |project: &str| {
+    let registration = |project: &str, finalizers: &str| {
         format!(
-            "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {{name: probe, namespace: {ns}}}\nspec: {{projectId: '{project}', sessionId: s, agentSurface: codex}}\n"
+            "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {{name: probe, namespace: {ns}, finalizers: [{finalizers}]}}\nspec: {{projectId: '{project}', sessionId: s, agentSurface: codex}}\n"
         )
     };
-    let admitted = |project: &str| -> serde_json::Value {
-        let out = cp.kubectl(&["create", "--dry-run=server", "-o", "json", "-f", "-"], Some(&registration(project)));
-        assert!(out.ok, "dry-run create: {}", out.stderr);
-        serde_json::from_str(&out.stdout).expect("json")
+    let admitted_with = |project: &str, finalizers: &str| -> serde_json::Value {
+        let yaml = registration(project, finalizers);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let out = cp.kubectl(&["create", "--dry-run=server", "-o", "json", "-f", "-"], Some(&yaml));
+            if out.ok {
+                return serde_json::from_str(&out.stdout).expect("json");
+            }
+            // The documented window after a CRD is created (see the policy's template).
+            assert!(
+                out.stderr.contains("There can be a delay") && std::time::Instant::now() < deadline,
+                "dry-run create: {}",
+                out.stderr
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
     };
+    let admitted = |project: &str| admitted_with(project, "");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let obj = loop {
         let obj = admitted("PID-PGR01");
@@ -196,6 +209,10 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
     };
     assert_eq!(obj["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]), "{obj}");
     assert_eq!(obj["metadata"]["labels"]["prism.ntecdev.ai/project"], "PID-PGR01");
+    let kept = admitted_with("PID-PGR01", "other.io/keep");
+    assert_eq!(kept["metadata"]["finalizers"], serde_json::json!(["other.io/keep", "prism.ntecdev.ai/release"]));
+    let once = admitted_with("PID-PGR01", "prism.ntecdev.ai/release");
+    assert_eq!(once["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]), "not twice");
     let long = admitted("not a label value");
     assert_eq!(long["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]));
     assert!(long["metadata"]["labels"]["prism.ntecdev.ai/project"].is_null(), "{long}");

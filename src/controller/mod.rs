@@ -37,6 +37,8 @@ pub enum ControllerError {
     Finalizer(Box<kube::runtime::finalizer::Error<ControllerError>>),
     #[error("resource has no {0}")]
     MissingField(&'static str),
+    #[error("{0} kept changing under us; retrying")]
+    Conflict(&'static str),
 }
 
 /// Sends "reconcile this now" for resources changed from elsewhere (an election, a

@@ -52,25 +52,51 @@ async fn ensure_metadata(
     obj: &ControllerRegistration,
     api: &Api<ControllerRegistration>,
 ) -> Result<Option<ControllerRegistration>, ControllerError> {
+    let mut current = obj.clone();
+    for attempt in 1..=3 {
+        let Some(patch) = metadata_patch(&current) else {
+            return Ok((attempt > 1).then_some(current));
+        };
+        match api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(updated) => return Ok(Some(updated)),
+            // Our copy was behind (the watch cache lags): read the resource and retry.
+            Err(kube::Error::Api(s)) if s.code == 409 => current = api.get(&obj.name_any()).await?,
+            // Only the label is missing: that must not hold up the election.
+            Err(e) if has_finalizer(&current) => {
+                warn!(name = %obj.name_any(), error = %e, "could not set the project label");
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ControllerError::Conflict("metadata.finalizers"))
+}
+
+fn has_finalizer(obj: &ControllerRegistration) -> bool {
+    obj.finalizers().iter().any(|f| f == FINALIZER)
+}
+
+/// The merge patch that adds what is missing (None: nothing is). The whole finalizer
+/// list, guarded by resourceVersion: a concurrent change makes it a conflict, never a
+/// lost finalizer of someone else's. A project id that is not a valid label value (over
+/// 63 characters, or other characters) is not copied; spec.projectId stays selectable
+/// as a field.
+pub fn metadata_patch(obj: &ControllerRegistration) -> Option<serde_json::Value> {
     let project = obj.spec.project_id.as_str();
-    let label_ok = !is_label_value(project) || obj.labels().get(PROJECT_LABEL).map(String::as_str) == Some(project);
-    if obj.finalizers().iter().any(|f| f == FINALIZER) && label_ok {
-        return Ok(None);
+    let want_label = is_label_value(project);
+    let label_ok = !want_label || obj.labels().get(PROJECT_LABEL).map(String::as_str) == Some(project);
+    if has_finalizer(obj) && label_ok {
+        return None;
     }
     let mut finalizers = obj.finalizers().to_vec();
-    if !finalizers.iter().any(|f| f == FINALIZER) {
+    if !has_finalizer(obj) {
         finalizers.push(FINALIZER.to_string());
     }
-    // The whole list, guarded by resourceVersion: a concurrent change makes this a
-    // conflict (retried), never a lost finalizer of someone else's.
     let mut metadata = json!({"finalizers": finalizers, "resourceVersion": obj.resource_version()});
-    // A project id that is not a valid label value (over 63 characters, or other
-    // characters) is not copied; spec.projectId stays selectable as a field.
-    if is_label_value(project) {
+    if want_label {
         metadata["labels"] = json!({PROJECT_LABEL: project});
     }
-    let patch = json!({"metadata": metadata});
-    Ok(Some(api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await?))
+    Some(json!({"metadata": metadata}))
 }
 
 fn uid(obj: &ControllerRegistration) -> Result<Uuid, ControllerError> {
@@ -143,7 +169,7 @@ async fn cleanup(
     api: &Api<ControllerRegistration>,
     ctx: &Context,
 ) -> Result<Action, ControllerError> {
-    if !obj.finalizers().iter().any(|f| f == FINALIZER) {
+    if !has_finalizer(obj) {
         return Ok(Action::await_change());
     }
     let id = uid(obj)?;
@@ -447,6 +473,28 @@ mod tests {
         released.role = Role::Released;
         released.release_reason = Some(ReleaseReason::ContextSwitch);
         assert_eq!(role_event(&peer, &released).map(|e| e.2), Some("released: context_switch".to_string()));
+    }
+
+    #[test]
+    fn metadata_patch_adds_only_what_is_missing() {
+        let spec = |project: &str| crate::crd::ControllerRegistrationSpec {
+            project_id: project.into(),
+            session_id: "s".into(),
+            agent_surface: crate::crd::AgentSurface::Codex,
+        };
+        let mut obj = ControllerRegistration::new("r", spec("PID-1"));
+        obj.metadata.resource_version = Some("7".into());
+        obj.metadata.finalizers = Some(vec!["other.io/keep".into()]);
+        let patch = metadata_patch(&obj).expect("finalizer and label missing");
+        assert_eq!(patch["metadata"]["finalizers"], json!(["other.io/keep", FINALIZER]), "keeps the others");
+        assert_eq!(patch["metadata"]["resourceVersion"], "7");
+        assert_eq!(patch["metadata"]["labels"][PROJECT_LABEL], "PID-1");
+        obj.metadata.finalizers = Some(vec![FINALIZER.into()]);
+        obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), "PID-1".to_string())].into());
+        assert_eq!(metadata_patch(&obj), None, "nothing to write");
+        let mut long = ControllerRegistration::new("r", spec(&"x".repeat(64)));
+        long.metadata.finalizers = Some(vec![FINALIZER.into()]);
+        assert_eq!(metadata_patch(&long), None, "no label for a project id that cannot be one");
     }
 
     #[test]
