@@ -48,6 +48,8 @@ fn bad_configuration_is_a_one_line_error() {
     assert!(e.contains("everywhere") && e.contains("--listen"), "{e}");
     let e = one_line_error(&["run"], &[("PRISM_RUN_LEASE_SECONDS", "0")]);
     assert!(e.contains("--run-lease-seconds"), "{e}");
+    let e = one_line_error(&["run"], &[("PRISM_RECONCILE_CONCURRENCY", "0")]);
+    assert!(e.contains("--reconcile-concurrency"), "{e}");
     let e = one_line_error(&["run"], &[("PRISM_LEADER_ELECTION", "perhaps")]);
     assert!(e.contains("perhaps"), "{e}");
     // A password in a bad URL never reaches the terminal.

@@ -44,13 +44,18 @@ async fn live_masters(db: &TestDb, ns: &str, project: &str) -> i64 {
 }
 
 async fn events_for(client: &kube::Client, ns: &str, name: &str) -> Vec<String> {
+    event_counts(client, ns, name).await.into_iter().map(|(reason, _)| reason).collect()
+}
+
+/// (reason, how often it was recorded: a repeat becomes a series on the same Event).
+async fn event_counts(client: &kube::Client, ns: &str, name: &str) -> Vec<(String, i32)> {
     use k8s_openapi::api::events::v1::Event;
     let events: Api<Event> = Api::namespaced(client.clone(), ns);
     let list = events.list(&Default::default()).await.expect("events");
     list.items
         .into_iter()
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .filter_map(|e| e.reason)
+        .filter_map(|e| Some((e.reason?, e.series.map_or(1, |s| s.count))))
         .collect()
 }
 
@@ -97,6 +102,13 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
     })
     .await;
     assert!(events.iter().any(|r| r == "BecameMaster"), "{events:?}");
+    // One Event per change of role, each recorded once (the status write the preemption
+    // triggers right after code-a's own must not repeat BecameMaster), and none for
+    // joining as a peer.
+    let counts = event_counts(&client, &ns, "code-a").await;
+    assert_eq!(counts.iter().filter(|(r, _)| r == "BecameMaster").map(|(_, n)| n).sum::<i32>(), 1, "{counts:?}");
+    assert_eq!(counts.iter().filter(|(r, _)| r == "Preempted").map(|(_, n)| n).sum::<i32>(), 1, "{counts:?}");
+    assert_eq!(event_counts(&client, &ns, "codex-b").await, vec![], "a peer joining has no Event");
     // Metrics carry the election history and the live roles.
     let metrics = support::http().get(op.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
     for line in [

@@ -383,3 +383,48 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_we_just_wrote_wins_over_the_lagging_cache() {
+        let written: Written<&str> = Written::default();
+        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "nothing written yet");
+        written.wrote(Some("uid-1"), "ours");
+        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("ours"));
+        assert_eq!(written.previous(Some("uid-2"), Some(&"other")), Some("other"), "per resource");
+        assert_eq!(written.previous(None, None), None);
+        written.clear();
+        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "a new term trusts the cache");
+    }
+
+    #[test]
+    fn only_generation_deletion_and_finalizers_trigger_a_reconcile() {
+        let mut obj = crate::crd::ControllerRegistration::new(
+            "r",
+            crate::crd::ControllerRegistrationSpec {
+                project_id: "P".into(),
+                session_id: "s".into(),
+                agent_surface: crate::crd::AgentSurface::Codex,
+            },
+        );
+        obj.metadata.generation = Some(1);
+        let base = changes_that_matter(&obj);
+        let mut status_only = obj.clone();
+        status_only.status = Some(Default::default());
+        status_only.metadata.resource_version = Some("9".into());
+        status_only.metadata.labels = Some([("a".to_string(), "b".to_string())].into());
+        assert_eq!(changes_that_matter(&status_only), base, "own status and label writes do not come back");
+        let mut finalized = obj.clone();
+        finalized.metadata.finalizers = Some(vec!["x".into()]);
+        assert_ne!(changes_that_matter(&finalized), base);
+        let mut deleting = obj.clone();
+        deleting.metadata.deletion_timestamp = Some(to_time(chrono::Utc::now()));
+        assert_ne!(changes_that_matter(&deleting), base);
+        let mut next = obj.clone();
+        next.metadata.generation = Some(2);
+        assert_ne!(changes_that_matter(&next), base);
+    }
+}
