@@ -85,11 +85,14 @@ async fn bench_registrations(db: &support::TestDb) {
             .await
             .expect("project");
     }
+    // The store on the operator's own pool (its connection settings), the baseline on a
+    // plain one.
+    let pool = prism_operator::db::connect(&db.url).await.expect("operator pool");
     let (mut store_rate, mut raw_rate) = (0.0, 0.0);
     for (round, store_first) in [true, false].into_iter().enumerate() {
         for store_turn in [store_first, !store_first] {
             if store_turn {
-                store_rate += store_registrations(db, round).await / 2.0;
+                store_rate += store_registrations(&pool, round).await / 2.0;
             } else {
                 raw_rate += raw_registrations(db, round).await / 2.0;
             }
@@ -101,8 +104,8 @@ async fn bench_registrations(db: &support::TestDb) {
     );
 }
 
-async fn store_registrations(db: &support::TestDb, round: usize) -> f64 {
-    let s = ElectionStore::new(db.pool.clone());
+async fn store_registrations(pool: &sqlx::PgPool, round: usize) -> f64 {
+    let s = ElectionStore::new(pool.clone());
     rate(move |i, n| {
         let s = s.clone();
         async move {

@@ -78,13 +78,15 @@ pub struct Touched {
 /// How one TXN2 attempt ended.
 enum Attempt {
     Done(Box<Registration>, BTreeSet<Touched>),
-    /// A row with this id exists already.
+    /// A row with this id exists already (the primary key said so).
     Exists,
-    /// The session is live on this project under another registration.
-    Duplicate(Uuid),
-    /// The session is live on another project: context switch first.
-    ContextSwitch(Uuid),
+    /// The session has a live registration (the one-live-per-session index said so).
+    SessionLive,
 }
+
+/// The unique indexes whose violation by the registration insert is an answer, not a race.
+const ID_INDEX: &str = "controller_registrations_pkey";
+const SESSION_INDEX: &str = "controller_registrations_one_live_per_session";
 
 #[derive(Clone, Debug)]
 pub enum RegisterOutcome {
@@ -224,16 +226,19 @@ impl ElectionStore {
                         return Ok((RegisterOutcome::Registered(existing), touched));
                     }
                 }
-                Ok(Attempt::Duplicate(other)) => {
-                    let existing = self.get(other).await?.ok_or(ElectionError::NotFound(other))?;
-                    return Ok((RegisterOutcome::DuplicateSession { existing }, touched));
-                }
-                // TXN1 (D5): the session is live on another project; leave it, then elect.
-                Ok(Attempt::ContextSwitch(other)) => match self.release_once(other, ReleaseReason::ContextSwitch).await
-                {
-                    Ok(t) => touched.extend(t),
-                    Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => continue,
-                    Err(e) => return Err(e),
+                Ok(Attempt::SessionLive) => match self.live_by_session(&new.namespace, &new.session_id).await? {
+                    // Rule 6 under another resource: that one stands.
+                    Some(existing) if existing.project_id == new.project_id => {
+                        return Ok((RegisterOutcome::DuplicateSession { existing }, touched));
+                    }
+                    // TXN1 (D5): the session is live on another project; leave it, then elect.
+                    Some(other) => match self.release_once(other.id, ReleaseReason::ContextSwitch).await {
+                        Ok(t) => touched.extend(t),
+                        Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => continue,
+                        Err(e) => return Err(e),
+                    },
+                    // Released in the meantime: try again.
+                    None => continue,
                 },
                 Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => {
                     debug!(attempt, error = %e, "lost a registration race; retrying")
@@ -245,55 +250,40 @@ impl ElectionStore {
     }
 
     /// TXN2: one election on the new project. The common case, a peer joining a project
-    /// that has a master, is decided on the master alone (`rules` proves that enough):
-    /// lock, one read, insert, commit. Only when the decision changes the master does it
-    /// read the whole project, because then every registration's status changes.
+    /// that has a master, is decided on the master alone (`rules` proves that enough),
+    /// read by primary keys (the project row names its master): lock, one read, insert,
+    /// commit. Only when the decision changes the master does it read the whole project,
+    /// because then every registration's status changes. Whether the id is known or the
+    /// session is live elsewhere, the insert learns from the unique indexes.
     async fn register_once(&self, new: &NewRegistration) -> Result<Attempt, ElectionError> {
         let mut tx = self.pool.begin().await?;
         lock_project(&mut tx, &new.namespace, &new.project_id).await?;
-        let rows: Vec<NewcomerRow> = sqlx::query_as(
-            "SELECT id, name, session_id, project_id, agent_surface, registered_at, is_master,
-                    released_at IS NULL AS live,
-                    (SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2) AS term,
-                    clock_timestamp() AS now
-             FROM controller_registrations
-             WHERE (namespace = $1 AND released_at IS NULL AND ((project_id = $2 AND is_master) OR session_id = $3))
-                OR id = $4",
+        let head: Option<ProjectHead> = sqlx::query_as(
+            "SELECT p.term, clock_timestamp() AS now,
+                    r.id, r.name, r.project_id, r.agent_surface, r.registered_at, r.is_master,
+                    r.released_at IS NULL AS live
+             FROM controller_projects p
+             LEFT JOIN controller_registrations r ON r.id = p.master_id AND r.is_master AND r.released_at IS NULL
+             WHERE p.namespace = $1 AND p.project_id = $2",
         )
         .bind(&new.namespace)
         .bind(&new.project_id)
-        .bind(&new.session_id)
-        .bind(new.id)
-        .fetch_all(&mut *tx)
+        .fetch_optional(&mut *tx)
         .await?;
-        if rows.iter().any(|r| r.row.id == new.id) {
-            return Ok(Attempt::Exists);
-        }
-        if let Some(other) = rows.iter().find(|r| r.row.live && r.row.session_id == new.session_id) {
-            return Ok(if other.row.project_id == new.project_id {
-                Attempt::Duplicate(other.row.id)
-            } else {
-                Attempt::ContextSwitch(other.row.id)
-            });
-        }
-        let masters: Vec<Row> = rows
-            .iter()
-            .filter(|r| r.row.project_id == new.project_id && r.row.is_master)
-            .map(|r| r.row.clone())
-            .collect();
-        let known = rows.first().and_then(|r| Some((r.term?, r.now)));
         let mut candidate = Candidate { id: new.id, surface: new.surface, registered_at: Utc::now(), is_master: false };
-        let fast = known.and_then(|(term, now)| {
-            candidate.registered_at = now;
-            let (state, names) = project_state(term, &masters, &new.project_id);
+        let fast = head.and_then(|head| {
+            let master: Row = head.master.into_row()?;
+            candidate.registered_at = head.now;
+            let (state, names) = project_state(head.term, &[master], &new.project_id);
             let decision = decide(&state, &Event::Register(candidate.clone()));
             decision.master_change.is_none().then_some((state, names, decision))
         });
         let (state, mut names, decision) = match fast {
             Some(decided) => decided,
             None => {
-                // A new master: read the whole project (its term, creating its row on
-                // first use, and every live registration, whose status.master changes).
+                // A new master (or no project row yet): read the whole project (its term,
+                // creating its row on first use, and every live registration, whose
+                // status.master changes).
                 let (term, now) = project_row(&mut tx, &new.namespace, &new.project_id).await?;
                 candidate.registered_at = now;
                 let rows = read_rows(&mut tx, &new.namespace, &new.project_id).await?;
@@ -304,7 +294,7 @@ impl ElectionStore {
         };
         let now = candidate.registered_at;
         names.insert(new.id, new.name.clone());
-        sqlx::query(
+        let inserted = sqlx::query(
             "INSERT INTO controller_registrations
                  (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
@@ -317,7 +307,15 @@ impl ElectionStore {
         .bind(new.surface.as_str())
         .bind(now)
         .execute(&mut *tx)
-        .await?;
+        .await;
+        if let Err(sqlx::Error::Database(e)) = &inserted {
+            match e.constraint() {
+                Some(ID_INDEX) => return Ok(Attempt::Exists),
+                Some(SESSION_INDEX) => return Ok(Attempt::SessionLive),
+                _ => {}
+            }
+        }
+        inserted?;
         // The newcomer's own status follows from its own reconcile (its creation is a
         // watch event), so only the others are announced.
         let touched = apply(&mut tx, &new.namespace, &new.project_id, &state, &decision, &names, Some(new.id)).await?;
@@ -507,7 +505,6 @@ async fn project_row(
 struct Row {
     id: Uuid,
     name: String,
-    session_id: String,
     project_id: String,
     agent_surface: String,
     registered_at: DateTime<Utc>,
@@ -515,14 +512,39 @@ struct Row {
     live: bool,
 }
 
-/// What a registration reads in one statement: a row plus the project's term (None when
-/// the project has no row yet) and the time the lock was held.
+/// What a registration reads in one statement: the project's term, the time the lock
+/// was held, and its live master if it has one (all columns NULL otherwise).
 #[derive(sqlx::FromRow)]
-struct NewcomerRow {
-    #[sqlx(flatten)]
-    row: Row,
-    term: Option<i64>,
+struct ProjectHead {
+    term: i64,
     now: DateTime<Utc>,
+    #[sqlx(flatten)]
+    master: MaybeRow,
+}
+
+#[derive(sqlx::FromRow)]
+struct MaybeRow {
+    id: Option<Uuid>,
+    name: Option<String>,
+    project_id: Option<String>,
+    agent_surface: Option<String>,
+    registered_at: Option<DateTime<Utc>>,
+    is_master: Option<bool>,
+    live: Option<bool>,
+}
+
+impl MaybeRow {
+    fn into_row(self) -> Option<Row> {
+        Some(Row {
+            id: self.id?,
+            name: self.name?,
+            project_id: self.project_id?,
+            agent_surface: self.agent_surface?,
+            registered_at: self.registered_at?,
+            is_master: self.is_master?,
+            live: self.live?,
+        })
+    }
 }
 
 /// The project's live rows.
@@ -532,7 +554,7 @@ async fn read_rows(
     project_id: &str,
 ) -> Result<Vec<Row>, ElectionError> {
     Ok(sqlx::query_as(
-        "SELECT id, name, session_id, project_id, agent_surface, registered_at, is_master, TRUE AS live
+        "SELECT id, name, project_id, agent_surface, registered_at, is_master, TRUE AS live
          FROM controller_registrations
          WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL",
     )
