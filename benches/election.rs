@@ -11,7 +11,8 @@
 //!     per heartbeat (target >= 5x);
 //! (c) 1,000 registrations over 100 projects created on the API server: seconds until
 //!     every status is right / seconds the API server took to accept the creates (target
-//!     <= 1.5), and the operator's peak RSS then (target <= 64 MiB).
+//!     <= 1.5), and the operator's peak RSS then (target <= 64 MiB); once with the
+//!     operator adding finalizer and label itself, once with the chart's admission policy.
 
 mod common;
 #[path = "../tests/support/mod.rs"]
