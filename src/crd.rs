@@ -17,6 +17,19 @@ use serde::{Deserialize, Serialize};
 pub const GROUP: &str = "prism.ntecdev.ai";
 /// Label carrying `spec.projectId` on each ControllerRegistration, for label selectors.
 pub const PROJECT_LABEL: &str = "prism.ntecdev.ai/project";
+/// The finalizer that makes deleting a ControllerRegistration release it first.
+pub const REGISTRATION_FINALIZER: &str = "prism.ntecdev.ai/release";
+
+/// Whether `v` may be a label value (63 characters of `[A-Za-z0-9._-]`, alphanumeric
+/// at both ends, or empty): spec.projectId is copied to PROJECT_LABEL only then.
+pub fn is_label_value(v: &str) -> bool {
+    let b = v.as_bytes();
+    b.len() <= 63
+        && (b.is_empty()
+            || (b[0].is_ascii_alphanumeric()
+                && b[b.len() - 1].is_ascii_alphanumeric()
+                && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))))
+}
 
 // ---------------------------------------------------------------------------------------
 // ControllerRegistration

@@ -14,6 +14,7 @@ pub mod runtime;
 pub mod server;
 pub mod status_cmd;
 pub mod telemetry;
+pub mod triggers;
 
 /// Selects ring as the process's TLS provider for every client (kube, sqlx, reqwest),
 /// whatever features dependencies enable. Idempotent; call before building clients.

@@ -32,7 +32,7 @@ pub struct AppState {
     pub auth: auth::Authorizer,
     pub agents: AgentService,
     pub runtime: crate::runtime::service::RuntimeService,
-    pub triggers: crate::controller::Triggers,
+    pub triggers: crate::triggers::Triggers,
     pub metrics: Arc<Metrics>,
 }
 

@@ -21,6 +21,7 @@ use crate::election::{ElectionError, ElectionStore, Touched};
 use crate::runtime::RuntimeError;
 use crate::runtime::service::RuntimeService;
 use crate::telemetry::Metrics;
+pub use crate::triggers::{Receivers, Triggers};
 
 /// Field manager of every server-side apply this operator makes.
 pub const FIELD_MANAGER: &str = "prism-operator";
@@ -39,49 +40,6 @@ pub enum ControllerError {
     MissingField(&'static str),
     #[error("{0} kept changing under us; retrying")]
     Conflict(&'static str),
-}
-
-/// Sends "reconcile this now" for resources changed from elsewhere (an election, a
-/// hello), so their status follows within a second rather than at the next resync.
-/// The receiving ends belong to the controllers of the current term of leadership:
-/// `open()` makes new ones each term; with no controllers running here, sends are dropped.
-#[derive(Clone, Default)]
-pub struct Triggers {
-    registrations: Arc<std::sync::Mutex<Option<mpsc::UnboundedSender<ObjectRef<ControllerRegistration>>>>>,
-    runsessions: Arc<std::sync::Mutex<Option<mpsc::UnboundedSender<ObjectRef<RunSession>>>>>,
-}
-
-impl Triggers {
-    pub fn registrations(&self, touched: impl IntoIterator<Item = Touched>) {
-        if let Ok(slot) = self.registrations.lock()
-            && let Some(tx) = slot.as_ref()
-        {
-            for t in touched {
-                let _ = tx.send(ObjectRef::new(&t.name).within(&t.namespace));
-            }
-        }
-    }
-
-    pub fn runsession(&self, namespace: &str, name: &str) {
-        if let Ok(slot) = self.runsessions.lock()
-            && let Some(tx) = slot.as_ref()
-        {
-            let _ = tx.send(ObjectRef::new(name).within(namespace));
-        }
-    }
-
-    /// New channels for a new set of controllers; the previous receivers stop receiving.
-    pub fn open(&self) -> Receivers {
-        let (reg_tx, reg_rx) = mpsc::unbounded_channel();
-        let (run_tx, run_rx) = mpsc::unbounded_channel();
-        if let Ok(mut slot) = self.registrations.lock() {
-            *slot = Some(reg_tx);
-        }
-        if let Ok(mut slot) = self.runsessions.lock() {
-            *slot = Some(run_tx);
-        }
-        Receivers { registrations: reg_rx, runsessions: run_rx }
-    }
 }
 
 pub struct Context {
@@ -140,11 +98,6 @@ impl<S: Clone> Written<S> {
             entries.clear();
         }
     }
-}
-
-pub struct Receivers {
-    registrations: mpsc::UnboundedReceiver<ObjectRef<ControllerRegistration>>,
-    runsessions: mpsc::UnboundedReceiver<ObjectRef<RunSession>>,
 }
 
 pub fn recorder(client: Client) -> Recorder {

@@ -19,12 +19,12 @@ use uuid::Uuid;
 
 use super::{Context, ControllerError, FIELD_MANAGER, condition, to_time};
 use crate::crd::{
-    ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, RegistrationRef, ReleaseReason, Role,
+    ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, REGISTRATION_FINALIZER as FINALIZER,
+    RegistrationRef, ReleaseReason, Role, is_label_value,
 };
 use crate::election::NewRegistration;
 use crate::election::store::{ProjectView, RegisterOutcome, Registration};
 
-pub const FINALIZER: &str = "prism.ntecdev.ai/release";
 /// `status.lastHeartbeat` is refreshed at most this often: never a status write per beat.
 pub const HEARTBEAT_STATUS_RESOLUTION: Duration = Duration::from_secs(30);
 
@@ -190,15 +190,6 @@ async fn cleanup(
         Err(e) => return Err(e.into()),
     }
     Ok(Action::await_change())
-}
-
-pub fn is_label_value(v: &str) -> bool {
-    let b = v.as_bytes();
-    b.len() <= 63
-        && (b.is_empty()
-            || (b[0].is_ascii_alphanumeric()
-                && b[b.len() - 1].is_ascii_alphanumeric()
-                && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))))
 }
 
 fn reference(row: &Registration) -> RegistrationRef {

@@ -13,9 +13,11 @@ use uuid::Uuid;
 use super::ElectionError;
 use super::heartbeat::HeartbeatCoalescer;
 use super::store::{ElectionStore, NewRegistration, ProjectView, RegisterOutcome, Registration, Touched};
-use crate::controller::Triggers;
-use crate::controller::registration::{FINALIZER, is_label_value};
-use crate::crd::{AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, ReleaseReason};
+use crate::crd::{
+    AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, REGISTRATION_FINALIZER,
+    ReleaseReason, is_label_value,
+};
+use crate::triggers::Triggers;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -149,7 +151,7 @@ impl AgentService {
         );
         obj.metadata.name = None;
         obj.metadata.generate_name = Some(name_prefix(project_id));
-        obj.metadata.finalizers = Some(vec![FINALIZER.to_string()]);
+        obj.metadata.finalizers = Some(vec![REGISTRATION_FINALIZER.to_string()]);
         if is_label_value(project_id) {
             obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), project_id.to_string())].into());
         }
