@@ -206,15 +206,11 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     wait_status(&api, &second_name, "sess-2 promoted", |s| s.role == Role::Master && s.term == Some(2)).await;
 
     // (6) The routing table over HTTP agrees with kubectl.
-    let table: Value = http
-        .get(op.url(&format!("/api/v1/controller/PID-A/status?namespace={ns}&session_id=sess-2")))
-        .bearer_auth(&token)
-        .send()
-        .await
-        .expect("status")
-        .json()
-        .await
-        .expect("json");
+    let table = support::get_json(
+        &op.url(&format!("/api/v1/controller/PID-A/status?namespace={ns}&session_id=sess-2")),
+        &token,
+    )
+    .await;
     assert_eq!(table["project_id"], "PID-A");
     assert_eq!(table["term"], 2);
     assert_eq!(table["master"]["name"], second_name.as_str());

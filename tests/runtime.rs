@@ -412,15 +412,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     assert_eq!(code(&run.heartbeat().await.expect_err("revoked")), "session_expired");
     assert_eq!(code(&run.hello().await.expect_err("old key")), "stale_generation");
     // The owner's view of an offline component keeps the last known facts and the reason.
-    let view: Value = http
-        .get(w.op.url("/api/v1/runtime/servers/srv-i/status"))
-        .bearer_auth(&token)
-        .send()
-        .await
-        .expect("status")
-        .json()
-        .await
-        .expect("json");
+    let view = support::get_json(&w.op.url("/api/v1/runtime/servers/srv-i/status"), &token).await;
     let c = &view["components"][0];
     assert_eq!((c["phase"].as_str(), c["online"].as_bool()), (Some("Offline"), Some(false)), "{view}");
     assert_eq!(c["unavailable_reason"], "credential_rotated", "{view}");

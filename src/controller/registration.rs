@@ -32,14 +32,14 @@ pub async fn reconcile(obj: Arc<ControllerRegistration>, ctx: Arc<Context>) -> R
     let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
     let api: Api<ControllerRegistration> = Api::namespaced(ctx.client.clone(), &ns);
     let started = std::time::Instant::now();
-    let result = if obj.metadata.deletion_timestamp.is_some() {
-        cleanup(&obj, &api, &ctx).await
-    } else {
-        match ensure_metadata(&obj, &api).await {
-            Ok(current) => apply(current.as_ref().unwrap_or(&obj), &api, &ctx).await,
-            Err(e) => Err(e),
+    let result = async {
+        if obj.metadata.deletion_timestamp.is_some() {
+            return cleanup(&obj, &api, &ctx).await;
         }
-    };
+        let current = ensure_metadata(&obj, &api).await?;
+        apply(current.as_ref().unwrap_or(&obj), &api, &ctx).await
+    }
+    .await;
     ctx.metrics.reconciled("controllerregistration", started.elapsed(), result.is_err());
     result
 }
@@ -422,29 +422,15 @@ mod tests {
     fn heartbeat_alone_is_written_at_most_every_30_seconds() {
         let m = row("m", true);
         let a = status_of(&m, &m, 1);
-        let mut later = m.clone();
-        later.last_heartbeat += chrono::Duration::seconds(10);
-        let b = build_status(
-            &later,
-            &ProjectView { term: 3, master: Some(m.clone()), live: vec![] },
-            None,
-            Some(1),
-            &a,
-            chrono::Duration::minutes(10),
-            later.last_heartbeat,
-        );
-        assert!(!status_needs_write(&a, &b), "10 s of heartbeat is not worth a write");
-        later.last_heartbeat += chrono::Duration::seconds(25);
-        let c = build_status(
-            &later,
-            &ProjectView { term: 3, master: Some(m.clone()), live: vec![] },
-            None,
-            Some(1),
-            &a,
-            chrono::Duration::minutes(10),
-            later.last_heartbeat,
-        );
-        assert!(status_needs_write(&a, &c));
+        // The same registration after `secs` more seconds of heartbeats, against `a`.
+        let beaten = |secs: i64| {
+            let mut later = m.clone();
+            later.last_heartbeat += chrono::Duration::seconds(secs);
+            let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![] };
+            build_status(&later, &view, None, Some(1), &a, chrono::Duration::minutes(10), later.last_heartbeat)
+        };
+        assert!(!status_needs_write(&a, &beaten(10)), "10 s of heartbeat is not worth a write");
+        assert!(status_needs_write(&a, &beaten(35)));
     }
 
     #[test]

@@ -184,10 +184,7 @@ pub fn project(
                 capacity: serde_json::from_str(&s.capacity).unwrap_or_default(),
                 unavailable_reason: None,
                 observed_generation: generation,
-                conditions: vec![
-                    condition(&previous.conditions, "Ready", true, "Identity", "identity registered", generation, now),
-                    condition(&previous.conditions, "Online", true, "LeaseHeld", "session lease held", generation, now),
-                ],
+                conditions: identity_conditions(previous, true, "LeaseHeld", "session lease held", generation, now),
             }
         }
         None => {
@@ -211,30 +208,15 @@ pub fn project(
                 RunPhase::Pending => "never connected".to_string(),
                 _ => format!("no session lease ({})", reason_str(reason)),
             };
+            let online_reason = if ever { "LeaseExpired" } else { "NeverConnected" };
             RunSessionStatus {
                 phase,
                 online: false,
-                // The last known facts stay visible while offline.
-                last_heartbeat: previous.last_heartbeat.clone(),
-                session_started_at: previous.session_started_at.clone(),
-                version: previous.version.clone(),
-                target: previous.target.clone(),
-                capabilities: previous.capabilities.clone(),
-                capacity: previous.capacity.clone(),
                 unavailable_reason: reason,
                 observed_generation: generation,
-                conditions: vec![
-                    condition(&previous.conditions, "Ready", true, "Identity", "identity registered", generation, now),
-                    condition(
-                        &previous.conditions,
-                        "Online",
-                        false,
-                        if ever { "LeaseExpired" } else { "NeverConnected" },
-                        &msg,
-                        generation,
-                        now,
-                    ),
-                ],
+                conditions: identity_conditions(previous, false, online_reason, &msg, generation, now),
+                // The last known facts stay visible while offline.
+                ..previous.clone()
             }
         }
     }
@@ -246,20 +228,31 @@ fn unavailable(previous: &RunSessionStatus, generation: Option<i64>, now: DateTi
         online: false,
         unavailable_reason: Some(UnavailableReason::RedisUnavailable),
         observed_generation: generation,
-        conditions: vec![
-            condition(&previous.conditions, "Ready", true, "Identity", "identity registered", generation, now),
-            condition(
-                &previous.conditions,
-                "Online",
-                false,
-                "RegistryUnavailable",
-                "runtime registry (Redis) unavailable",
-                generation,
-                now,
-            ),
-        ],
+        conditions: identity_conditions(
+            previous,
+            false,
+            "RegistryUnavailable",
+            "runtime registry (Redis) unavailable",
+            generation,
+            now,
+        ),
         ..previous.clone()
     }
+}
+
+/// Ready (the identity is registered) and Online with the given state.
+fn identity_conditions(
+    previous: &RunSessionStatus,
+    online: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    vec![
+        condition(&previous.conditions, "Ready", true, "Identity", "identity registered", generation, now),
+        condition(&previous.conditions, "Online", online, reason, message, generation, now),
+    ]
 }
 
 fn duplicate_status(

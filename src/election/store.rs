@@ -260,8 +260,7 @@ impl ElectionStore {
         lock_project(&mut tx, &new.namespace, &new.project_id).await?;
         let head: Option<ProjectHead> = sqlx::query_as(
             "SELECT p.term, clock_timestamp() AS now,
-                    r.id, r.name, r.project_id, r.agent_surface, r.registered_at, r.is_master,
-                    r.released_at IS NULL AS live
+                    r.id, r.name, r.agent_surface, r.registered_at, r.is_master
              FROM controller_projects p
              LEFT JOIN controller_registrations r ON r.id = p.master_id AND r.is_master AND r.released_at IS NULL
              WHERE p.namespace = $1 AND p.project_id = $2",
@@ -270,29 +269,27 @@ impl ElectionStore {
         .bind(&new.project_id)
         .fetch_optional(&mut *tx)
         .await?;
-        let mut candidate = Candidate { id: new.id, surface: new.surface, registered_at: Utc::now(), is_master: false };
-        let fast = head.and_then(|head| {
-            let master: Row = head.master.into_row()?;
-            candidate.registered_at = head.now;
-            let (state, names) = project_state(head.term, &[master], &new.project_id);
-            let decision = decide(&state, &Event::Register(candidate.clone()));
-            decision.master_change.is_none().then_some((state, names, decision))
-        });
-        let (state, mut names, decision) = match fast {
+        // Registration times follow the order in which the lock was granted (`now` is read
+        // after it).
+        let elect = |term: i64, now: DateTime<Utc>, rows: &[Row]| {
+            let (state, names) = project_state(term, rows);
+            let candidate = Candidate { id: new.id, surface: new.surface, registered_at: now, is_master: false };
+            let decision = decide(&state, &Event::Register(candidate));
+            (state, names, decision, now)
+        };
+        let fast = head
+            .and_then(|head| Some(elect(head.term, head.now, &[head.master.into_row()?])))
+            .filter(|(_, _, decision, _)| decision.master_change.is_none());
+        let (state, mut names, decision, now) = match fast {
             Some(decided) => decided,
+            // A new master (or no project row yet): read the whole project (its term,
+            // creating its row on first use, and every live registration, whose
+            // status.master changes).
             None => {
-                // A new master (or no project row yet): read the whole project (its term,
-                // creating its row on first use, and every live registration, whose
-                // status.master changes).
                 let (term, now) = project_row(&mut tx, &new.namespace, &new.project_id).await?;
-                candidate.registered_at = now;
-                let rows = read_rows(&mut tx, &new.namespace, &new.project_id).await?;
-                let (state, names) = project_state(term, &rows, &new.project_id);
-                let decision = decide(&state, &Event::Register(candidate.clone()));
-                (state, names, decision)
+                elect(term, now, &read_rows(&mut tx, &new.namespace, &new.project_id).await?)
             }
         };
-        let now = candidate.registered_at;
         names.insert(new.id, new.name.clone());
         let inserted = sqlx::query(
             "INSERT INTO controller_registrations
@@ -501,15 +498,14 @@ async fn project_row(
     Ok(sqlx::query_as(READ).bind(namespace).bind(project_id).fetch_one(&mut **tx).await?)
 }
 
-#[derive(Clone, sqlx::FromRow)]
+/// A live registration of the project, as the election reads it.
+#[derive(sqlx::FromRow)]
 struct Row {
     id: Uuid,
     name: String,
-    project_id: String,
     agent_surface: String,
     registered_at: DateTime<Utc>,
     is_master: bool,
-    live: bool,
 }
 
 /// What a registration reads in one statement: the project's term, the time the lock
@@ -526,11 +522,9 @@ struct ProjectHead {
 struct MaybeRow {
     id: Option<Uuid>,
     name: Option<String>,
-    project_id: Option<String>,
     agent_surface: Option<String>,
     registered_at: Option<DateTime<Utc>>,
     is_master: Option<bool>,
-    live: Option<bool>,
 }
 
 impl MaybeRow {
@@ -538,11 +532,9 @@ impl MaybeRow {
         Some(Row {
             id: self.id?,
             name: self.name?,
-            project_id: self.project_id?,
             agent_surface: self.agent_surface?,
             registered_at: self.registered_at?,
             is_master: self.is_master?,
-            live: self.live?,
         })
     }
 }
@@ -554,7 +546,7 @@ async fn read_rows(
     project_id: &str,
 ) -> Result<Vec<Row>, ElectionError> {
     Ok(sqlx::query_as(
-        "SELECT id, name, project_id, agent_surface, registered_at, is_master, TRUE AS live
+        "SELECT id, name, agent_surface, registered_at, is_master
          FROM controller_registrations
          WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL",
     )
@@ -564,11 +556,10 @@ async fn read_rows(
     .await?)
 }
 
-fn project_state(term: i64, rows: &[Row], project_id: &str) -> (ProjectState, HashMap<Uuid, String>) {
-    let live: Vec<&Row> = rows.iter().filter(|r| r.live && r.project_id == project_id).collect();
-    let names = live.iter().map(|r| (r.id, r.name.clone())).collect();
-    let live = live
-        .into_iter()
+fn project_state(term: i64, rows: &[Row]) -> (ProjectState, HashMap<Uuid, String>) {
+    let names = rows.iter().map(|r| (r.id, r.name.clone())).collect();
+    let live = rows
+        .iter()
         .map(|r| Candidate {
             id: r.id,
             surface: r.agent_surface.parse().unwrap_or(AgentSurface::Other),
@@ -588,7 +579,7 @@ async fn lock_and_read(
     lock_project(tx, namespace, project_id).await?;
     let (term, _) = project_row(tx, namespace, project_id).await?;
     let rows = read_rows(tx, namespace, project_id).await?;
-    Ok(project_state(term, &rows, project_id))
+    Ok(project_state(term, &rows))
 }
 
 /// Writes a decision: role changes in order (demotions and releases before promotions),

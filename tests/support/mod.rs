@@ -114,6 +114,7 @@ pub fn install_admission_policy(cp: &ControlPlane) {
         .env("HELM_CONFIG_HOME", tmp.join("config"))
         .output()
         .expect("helm template");
+    let _ = std::fs::remove_dir_all(&tmp);
     assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));
     let applied = cp.kubectl(&["apply", "-f", "-"], Some(&String::from_utf8_lossy(&out.stdout)));
     assert!(applied.ok, "apply the admission policy: {}", applied.stderr);
@@ -209,6 +210,11 @@ impl ControlPlane {
         let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.expect("kubeconfig");
         Client::try_from(config).expect("kube client")
     }
+}
+
+/// GET with a bearer token, the answer's JSON body (whatever its status code).
+pub async fn get_json(url: &str, token: &str) -> serde_json::Value {
+    http().get(url).bearer_auth(token).send().await.expect("GET").json().await.expect("JSON body")
 }
 
 /// A fresh namespace for one test.
