@@ -23,14 +23,14 @@ use common::{CONCURRENCY, WINDOW, rate};
 use kube::Api;
 use kube::api::PostParams;
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec};
-use prism_operator::runclient::{self, RunClient};
-use prism_operator::runtime::service::token_hash;
-use prism_operator::runtime::{RedisStore, Target};
+use prism_operator::run_client::{self, RunClient};
+use prism_operator::run_registry::service::token_hash;
+use prism_operator::run_registry::{RedisStore, Target};
 
 async fn runs(api: &Api<RunSession>, base: &str, prefix: &str, n: usize, lease: Option<i32>) -> Vec<RunClient> {
     let mut out = Vec::new();
     for i in 0..n {
-        let (key, public) = runclient::new_key().expect("key");
+        let (key, public) = run_client::new_key().expect("key");
         let server = format!("{prefix}-{i}");
         let spec = RunSessionSpec {
             server_instance_id: server.clone(),
@@ -74,7 +74,7 @@ async fn main() {
     let store = RedisStore::new(&support::redis_url(), &prefix).expect("redis");
     let raw = redis::Client::open(support::redis_url()).expect("redis");
     let conn = raw.get_multiplexed_async_connection().await.expect("connect");
-    let script = redis::Script::new(prism_operator::runtime::redis::CHECK);
+    let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);
     let keys: Arc<Vec<(String, String, String)>> = Arc::new(
         hb_runs
             .iter()

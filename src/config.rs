@@ -32,7 +32,8 @@ pub enum Command {
     Credential(CredentialCommand),
     /// A minimal Run: hello with a key file, heartbeat, claim jobs (watch its RunSession
     /// go Online in `kubectl get rsess`).
-    RunAgent(RunAgentArgs),
+    #[command(alias = "run-agent")]
+    DemoRun(DemoRunArgs),
     /// Print a project's routing table (master, peers, stale) from the resources' status.
     Status {
         project_id: String,
@@ -61,7 +62,7 @@ pub enum CredentialCommand {
 }
 
 #[derive(Debug, Args)]
-pub struct RunAgentArgs {
+pub struct DemoRunArgs {
     /// The operator's HTTP API.
     #[arg(long, env = "PRISM_API", default_value = "http://127.0.0.1:8080")]
     pub api: String,

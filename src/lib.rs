@@ -1,20 +1,26 @@
 //! prism-operator: controller elections (Postgres) and Run sessions (Redis) as
 //! Kubernetes custom resources.
 
-pub mod agent_cmd;
-pub mod api;
-pub mod config;
-pub mod controller;
+// Domain: resource types, the election (pure rules + Postgres), the registry of Runs
+// (proofs, Redis leases, durable jobs).
 pub mod crd;
-pub mod db;
 pub mod election;
-pub mod leader;
-pub mod runclient;
-pub mod runtime;
-pub mod server;
-pub mod status_cmd;
-pub mod telemetry;
+pub mod run_registry;
+// Services over the domain: what agents ask for, and the signal that a resource's
+// status must be refreshed.
+pub mod agent_sessions;
 pub mod triggers;
+// Kubernetes glue: reconcilers and the Lease that picks the replica running them.
+pub mod leader;
+pub mod reconcilers;
+// The HTTP API, and the client a Run uses to speak it.
+pub mod api;
+pub mod run_client;
+// Process: configuration, subcommands, database connection, logs and metrics.
+pub mod commands;
+pub mod config;
+pub mod db;
+pub mod telemetry;
 
 /// Selects ring as the process's TLS provider for every client (kube, sqlx, reqwest),
 /// whatever features dependencies enable. Idempotent; call before building clients.

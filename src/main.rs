@@ -1,8 +1,9 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use prism_operator::commands::{credential, demo_run, run as run_cmd, status};
 use prism_operator::config::{Cli, Command, CredentialCommand};
-use prism_operator::{agent_cmd, crd, db, server, status_cmd, telemetry};
+use prism_operator::{crd, db, telemetry};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -52,12 +53,12 @@ async fn run(command: Command) -> anyhow::Result<()> {
             db::migrate(&pool).await?;
             println!("migrations applied");
         }
-        Command::Run(args) => server::run(*args).await?,
+        Command::Run(args) => run_cmd::run(*args).await?,
         Command::Credential(CredentialCommand::New { key_file, generation, force }) => {
-            agent_cmd::credential_new(&key_file, generation, force)?
+            credential::new(&key_file, generation, force)?
         }
-        Command::RunAgent(args) => agent_cmd::run_agent(args).await?,
-        Command::Status { project_id, namespace, output } => status_cmd::run(&project_id, namespace, output).await?,
+        Command::DemoRun(args) => demo_run::run(args).await?,
+        Command::Status { project_id, namespace, output } => status::run(&project_id, namespace, output).await?,
     }
     Ok(())
 }

@@ -10,7 +10,7 @@ use ed25519_dalek::SigningKey;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec, UnavailableReason};
-use prism_operator::runclient::{self, RunClient};
+use prism_operator::run_client::{self, RunClient};
 use serde_json::{Value, json};
 use support::{Operator, PrivateRedis, TestDb, control_plane, eventually};
 
@@ -42,7 +42,7 @@ async fn world(hint: &str, env: &[(&str, &str)]) -> World {
 impl World {
     /// A RunSession with a fresh key, and a client holding that key.
     async fn run(&self, name: &str, server: &str, lease: Option<i32>) -> RunClient {
-        let (key, public) = runclient::new_key().expect("key");
+        let (key, public) = run_client::new_key().expect("key");
         let spec = RunSessionSpec {
             server_instance_id: server.into(),
             component_kind: "run".into(),
@@ -87,7 +87,7 @@ impl World {
     }
 }
 
-fn code(e: &runclient::ClientError) -> &str {
+fn code(e: &run_client::ClientError) -> &str {
     e.code().unwrap_or("not a refusal")
 }
 
@@ -169,7 +169,7 @@ async fn every_failure_of_proof_is_401_with_its_code_and_changes_nothing() {
     run.post_hello(&body).await.expect("first use");
     let e = post(body).await;
     assert_eq!(code(&e), "replayed_nonce");
-    if let runclient::ClientError::Refused { status, message, .. } = &e {
+    if let run_client::ClientError::Refused { status, message, .. } = &e {
         assert_eq!(*status, 401);
         assert_eq!(message, "hello refused", "says nothing more");
     }
@@ -352,7 +352,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     w.phase("srv-i-run", RunPhase::Online, 5).await;
 
     // A second resource claiming the same identity is not used.
-    let (_, other_key) = runclient::new_key().expect("key");
+    let (_, other_key) = run_client::new_key().expect("key");
     let dup = RunSession::new(
         "srv-i-dup",
         RunSessionSpec {
@@ -392,7 +392,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
 
     // Secrets never reach a response, the status, an Event or a log line.
     let session_token = run.token.clone().expect("token");
-    let token_hash = prism_operator::runtime::service::token_hash(&session_token);
+    let token_hash = prism_operator::run_registry::service::token_hash(&session_token);
     let obj = serde_json::to_string(&w.api.get("srv-i-run").await.expect("get")).expect("json");
     let events = w.cp.kubectl_ok(&["get", "events", "-n", &w.ns, "-o", "json"]);
     let secret_part = session_token.rsplit('.').next().expect("secret part").to_string();
@@ -404,7 +404,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     assert!(w.op.logs().contains("HTTP API serving"), "the log was captured");
 
     // Raising the generation revokes the session at once; the old key is stale.
-    let (new_key, new_public) = runclient::new_key().expect("key");
+    let (new_key, new_public) = run_client::new_key().expect("key");
     let patch = json!({"spec": {"credential": {"publicKey": new_public, "generation": 2}}});
     w.api.patch("srv-i-run", &PatchParams::default(), &Patch::Merge(&patch)).await.expect("rotate");
     let off = w.phase("srv-i-run", RunPhase::Offline, 10).await;

@@ -11,14 +11,14 @@ use axum::routing::{get, post};
 use serde_json::json;
 use sqlx::PgPool;
 
-use crate::election::agents::AgentService;
-use crate::runtime::RedisStore;
+use crate::agent_sessions::AgentService;
+use crate::run_registry::RedisStore;
 use crate::telemetry::Metrics;
 
+pub mod agents;
 pub mod auth;
-pub mod controller;
 pub mod error;
-pub mod runtime;
+pub mod runs;
 
 pub use error::{ApiError, ApiJson};
 
@@ -31,7 +31,7 @@ pub struct AppState {
     pub kube: kube::Client,
     pub auth: auth::Authorizer,
     pub agents: AgentService,
-    pub runtime: crate::runtime::service::RuntimeService,
+    pub runtime: crate::run_registry::service::RuntimeService,
     pub triggers: crate::triggers::Triggers,
     pub metrics: Arc<Metrics>,
 }
@@ -41,17 +41,17 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/api/v1/controller/register", post(controller::register))
-        .route("/api/v1/controller/heartbeat", post(controller::heartbeat))
-        .route("/api/v1/controller/fence", post(controller::fence))
-        .route("/api/v1/controller/{id}/release", post(controller::release))
-        .route("/api/v1/controller/{project_id}/status", get(controller::status))
-        .route("/api/v1/runtime/hello", post(runtime::hello))
-        .route("/api/v1/runtime/heartbeat", post(runtime::heartbeat))
-        .route("/api/v1/runtime/jobs", post(runtime::enqueue))
-        .route("/api/v1/runtime/jobs/claim", post(runtime::claim))
-        .route("/api/v1/runtime/jobs/{id}/{action}", post(runtime::job_step))
-        .route("/api/v1/runtime/servers/{server_instance_id}/status", get(runtime::server_status))
+        .route("/api/v1/controller/register", post(agents::register))
+        .route("/api/v1/controller/heartbeat", post(agents::heartbeat))
+        .route("/api/v1/controller/fence", post(agents::fence))
+        .route("/api/v1/controller/{id}/release", post(agents::release))
+        .route("/api/v1/controller/{project_id}/status", get(agents::status))
+        .route("/api/v1/runtime/hello", post(runs::hello))
+        .route("/api/v1/runtime/heartbeat", post(runs::heartbeat))
+        .route("/api/v1/runtime/jobs", post(runs::enqueue))
+        .route("/api/v1/runtime/jobs/claim", post(runs::claim))
+        .route("/api/v1/runtime/jobs/{id}/{action}", post(runs::job_step))
+        .route("/api/v1/runtime/servers/{server_instance_id}/status", get(runs::server_status))
         .fallback(|| async { ApiError::not_found("not_found", "no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)

@@ -1,6 +1,5 @@
 //! The controller election (SPEC §4): pure rules plus the Postgres store around them.
 
-pub mod agents;
 pub mod heartbeat;
 pub mod rules;
 pub mod store;

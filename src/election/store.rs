@@ -668,7 +668,7 @@ async fn apply(
         .collect();
     if !payloads.is_empty() {
         sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
-            .bind(crate::controller::NOTIFY_REGISTRATIONS)
+            .bind(crate::reconcilers::NOTIFY_REGISTRATIONS)
             .bind(&payloads)
             .execute(&mut **tx)
             .await?;

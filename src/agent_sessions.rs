@@ -1,4 +1,4 @@
-//! What agents do over HTTP, as a service: register (create the resource and run the
+//! The service agents (AI sessions) call over HTTP: register (create the resource and run the
 //! election in the same call), release, heartbeat, read the routing table, fence.
 //! The HTTP layer parses and authorizes; this layer does the work.
 
@@ -10,13 +10,13 @@ use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::ElectionError;
-use super::heartbeat::HeartbeatCoalescer;
-use super::store::{ElectionStore, NewRegistration, ProjectView, RegisterOutcome, Registration, Touched};
 use crate::crd::{
     AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, REGISTRATION_FINALIZER,
     ReleaseReason, is_label_value,
 };
+use crate::election::ElectionError;
+use crate::election::heartbeat::HeartbeatCoalescer;
+use crate::election::store::{ElectionStore, NewRegistration, ProjectView, RegisterOutcome, Registration, Touched};
 use crate::triggers::Triggers;
 
 #[derive(Debug, thiserror::Error)]

@@ -15,7 +15,7 @@ use super::RuntimeError;
 use super::identity::{Identity, IdentityStore};
 use super::jobs::{Job, JobStore, Step, StepRefused};
 use super::proof;
-use super::redis::{HelloOutcome, NewSession, RedisStore, Session, Target, TokenCheck};
+use super::sessions::{HelloOutcome, NewSession, RedisStore, Session, Target, TokenCheck};
 
 const TOKEN_PREFIX: &str = "prs1";
 

@@ -1,7 +1,7 @@
 //! Reconcilers (glue only) and the background loops that run beside them.
 
 pub mod registration;
-pub mod runsession;
+pub mod run_session;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,8 +18,8 @@ use tracing::{debug, info, warn};
 
 use crate::crd::{ControllerRegistration, RunSession};
 use crate::election::{ElectionError, ElectionStore, Touched};
-use crate::runtime::RuntimeError;
-use crate::runtime::service::RuntimeService;
+use crate::run_registry::RuntimeError;
+use crate::run_registry::service::RuntimeService;
 use crate::telemetry::Metrics;
 pub use crate::triggers::{Receivers, Triggers};
 
@@ -241,7 +241,7 @@ pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace:
         .with_config(config)
         .reconcile_on(receiver_stream(receivers.runsessions))
         .shutdown_on_signal()
-        .run(runsession::reconcile, error_policy, ctx.clone())
+        .run(run_session::reconcile, error_policy, ctx.clone())
         .for_each(drain);
     futures::join!(registrations, runsessions);
 }

@@ -11,8 +11,8 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::error::{ApiError, ApiJson};
+use crate::agent_sessions::{AgentError, HeartbeatReply, Registered, RoutingTable};
 use crate::crd::AgentSurface;
-use crate::election::agents::{AgentError, HeartbeatReply, Registered, RoutingTable};
 
 const RESOURCE: &str = "controllerregistrations";
 

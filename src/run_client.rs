@@ -1,6 +1,6 @@
 //! A Run's side of the runtime wire format (SPEC §8): sign a hello with the Run's
 //! Ed25519 key, heartbeat the session, claim jobs and report on them. Used by
-//! `prism-operator run-agent`, the tests and the benchmark; third-party Runs implement
+//! `prism-operator demo-run`, the tests and the benchmark; third-party Runs implement
 //! the same few calls in their own language.
 
 use std::collections::BTreeMap;
@@ -12,8 +12,8 @@ use ed25519_dalek::{Signer, SigningKey};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::runtime::jobs::Job;
-use crate::runtime::proof;
+use crate::run_registry::jobs::Job;
+use crate::run_registry::proof;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {

@@ -8,17 +8,17 @@ use std::time::Duration;
 use anyhow::Context as _;
 use tracing::{info, warn};
 
+use crate::agent_sessions::AgentService;
 use crate::api::{self, AppState};
 use crate::config::{RunArgs, redact_url};
-use crate::controller;
 use crate::db;
 use crate::election::ElectionStore;
-use crate::election::agents::AgentService;
 use crate::election::heartbeat::HeartbeatCoalescer;
-use crate::runtime::RedisStore;
-use crate::runtime::identity::IdentityStore;
-use crate::runtime::jobs::JobStore;
-use crate::runtime::service::RuntimeService;
+use crate::reconcilers;
+use crate::run_registry::RedisStore;
+use crate::run_registry::identity::IdentityStore;
+use crate::run_registry::jobs::JobStore;
+use crate::run_registry::service::RuntimeService;
 use crate::telemetry::Metrics;
 
 /// Heartbeats arriving within this window become one UPDATE.
@@ -51,12 +51,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         jobs: JobStore::new(pool.clone(), Duration::from_secs(u64::from(args.job_visibility_seconds))),
         default_lease_seconds: args.run_lease_seconds,
     };
-    let triggers = controller::Triggers::default();
-    let ctx = Arc::new(controller::Context {
+    let triggers = reconcilers::Triggers::default();
+    let ctx = Arc::new(reconcilers::Context {
         client: kube.clone(),
         election: election.clone(),
         runtime: runtime.clone(),
-        recorder: controller::recorder(kube.clone()),
+        recorder: reconcilers::recorder(kube.clone()),
         triggers: triggers.clone(),
         stale_after: chrono::Duration::minutes(i64::from(args.peer_stale_minutes)),
         metrics: metrics.clone(),
@@ -72,7 +72,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let namespace = args.watch_namespace.clone();
         let stale = args.peer_stale_minutes;
         let sweep_every = Duration::from_secs(u64::from(args.sweep_interval_seconds));
-        move || controller::lead(ctx.clone(), namespace.clone(), stale, sweep_every)
+        move || reconcilers::lead(ctx.clone(), namespace.clone(), stale, sweep_every)
     };
     if args.leader_election {
         let cfg = crate::leader::LeaseConfig::from_env("prism-operator-leader");

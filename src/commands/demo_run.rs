@@ -1,44 +1,15 @@
-//! `prism-operator credential new` and `prism-operator run-agent`.
+//! `prism-operator demo-run`: a minimal Run (hello with a key file, heartbeat, claim jobs)
+//! for trying the runtime registry by hand.
 
-use std::io::Write;
-use std::path::Path;
 use std::time::Duration;
 
 use tracing::{info, warn};
 
-use crate::config::RunAgentArgs;
-use crate::runclient::{self, ClientError, RunClient};
+use crate::config::DemoRunArgs;
+use crate::run_client::{self, ClientError, RunClient};
 
-/// Writes the private key with mode 0600 (created that way, never widened) and prints the
-/// `spec.credential` block.
-pub fn credential_new(key_file: &Path, generation: i64, force: bool) -> anyhow::Result<()> {
-    let (key, public) = runclient::new_key()?;
-    let mut opts = std::fs::OpenOptions::new();
-    opts.write(true);
-    if force {
-        opts.create(true).truncate(true);
-    } else {
-        opts.create_new(true);
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        opts.mode(0o600);
-    }
-    let mut file = opts.open(key_file).map_err(|e| match e.kind() {
-        std::io::ErrorKind::AlreadyExists => {
-            anyhow::anyhow!("{} exists; use --force to replace it", key_file.display())
-        }
-        _ => anyhow::anyhow!("cannot write {}: {e}", key_file.display()),
-    })?;
-    file.write_all(runclient::key_to_file_text(&key).as_bytes())?;
-    eprintln!("private key written to {} (mode 0600); keep it on the Run's machine only", key_file.display());
-    println!("credential:\n  publicKey: {public}\n  generation: {generation}");
-    Ok(())
-}
-
-pub async fn run_agent(args: RunAgentArgs) -> anyhow::Result<()> {
-    let key = runclient::read_key(&args.key_file)?;
+pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
+    let key = run_client::read_key(&args.key_file)?;
     let mut client = RunClient::new(&args.api, &args.server_instance_id, &args.component_kind, args.generation, key);
     let mut granted = client.hello().await?;
     info!(server = %args.server_instance_id, component = %args.component_kind, lease = granted.lease_ttl_seconds, "session started");
@@ -67,7 +38,7 @@ pub async fn run_agent(args: RunAgentArgs) -> anyhow::Result<()> {
                     info!(job = %job.id, kind = %job.kind, "claimed");
                     let _ = client.step(&job.id, "ack", None).await;
                     if args.complete_jobs {
-                        let result = serde_json::json!({"outcome": "succeeded", "result": {"handled_by": "prism-operator run-agent"}});
+                        let result = serde_json::json!({"outcome": "succeeded", "result": {"handled_by": "prism-operator demo-run"}});
                         if let Err(e) = client.step(&job.id, "complete", Some(result)).await {
                             warn!(job = %job.id, error = %e, "complete failed");
                         }

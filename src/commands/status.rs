@@ -8,9 +8,9 @@ use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use uuid::Uuid;
 
+use crate::agent_sessions::{RouteEntry, RoutingTable};
 use crate::config::OutputFormat;
 use crate::crd::{ControllerRegistration, ReleaseReason, Role};
-use crate::election::agents::{RouteEntry, RoutingTable};
 
 fn chrono_of(t: &Option<Time>) -> DateTime<Utc> {
     t.as_ref().and_then(|t| DateTime::from_timestamp_micros(t.0.as_microsecond())).unwrap_or(DateTime::UNIX_EPOCH)

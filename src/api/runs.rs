@@ -21,10 +21,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::Api;
 
 use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
-use crate::runtime::identity::Identity;
-use crate::runtime::jobs::{Job, Step, StepRefused};
-use crate::runtime::service::{Granted, Hello, HelloError, SessionRefused, check_snapshot};
-use crate::runtime::{RuntimeError, Session, Target};
+use crate::run_registry::identity::Identity;
+use crate::run_registry::jobs::{Job, Step, StepRefused};
+use crate::run_registry::service::{Granted, Hello, HelloError, SessionRefused, check_snapshot};
+use crate::run_registry::{RuntimeError, Session, Target};
 
 const RESOURCE: &str = "runsessions";
 const MAX_CLAIM: i64 = 100;
@@ -89,7 +89,7 @@ pub async fn hello(
             state.triggers.runsession(&identity.namespace, &identity.name);
             // The leader may be another replica: tell it through Postgres too.
             let _ = sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(crate::controller::NOTIFY_RUNSESSIONS)
+                .bind(crate::reconcilers::NOTIFY_RUNSESSIONS)
                 .bind(format!("{}/{}", identity.namespace, identity.name))
                 .execute(&state.db)
                 .await;

@@ -19,8 +19,8 @@ use uuid::Uuid;
 
 use super::{Context, ControllerError, FIELD_MANAGER, condition, to_time};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
-use crate::runtime::identity::{Identity, Mirror};
-use crate::runtime::{RuntimeError, Session};
+use crate::run_registry::identity::{Identity, Mirror};
+use crate::run_registry::{RuntimeError, Session};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
 /// lastHeartbeat alone is written at most this often.

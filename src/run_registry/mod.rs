@@ -4,10 +4,10 @@
 pub mod identity;
 pub mod jobs;
 pub mod proof;
-pub mod redis;
 pub mod service;
+pub mod sessions;
 
-pub use self::redis::{RedisStore, Session, Target, TokenCheck};
+pub use self::sessions::{RedisStore, Session, Target, TokenCheck};
 
 /// Errors of the runtime layer; mapped once to HTTP codes and conditions.
 #[derive(Debug, thiserror::Error)]

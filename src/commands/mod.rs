@@ -1,0 +1,7 @@
+//! The subcommands of `prism-operator` (SPEC §2), one module each; `crdgen` and
+//! `migrate` are a few lines in `main.rs`.
+
+pub mod credential;
+pub mod demo_run;
+pub mod run;
+pub mod status;
