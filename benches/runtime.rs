@@ -25,7 +25,7 @@ use kube::api::PostParams;
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec};
 use prism_operator::run_client::{self, RunClient};
 use prism_operator::run_registry::service::token_hash;
-use prism_operator::run_registry::{RedisStore, Target};
+use prism_operator::run_registry::{RunAddress, SessionStore};
 
 async fn runs(api: &Api<RunSession>, base: &str, prefix: &str, n: usize, lease: Option<i32>) -> Vec<RunClient> {
     let mut out = Vec::new();
@@ -71,7 +71,7 @@ async fn main() {
         async move { r[i].heartbeat().await.is_ok() }
     })
     .await;
-    let store = RedisStore::new(&support::redis_url(), &prefix).expect("redis");
+    let store = SessionStore::new(&support::redis_url(), &prefix).expect("redis");
     let raw = redis::Client::open(support::redis_url()).expect("redis");
     let conn = raw.get_multiplexed_async_connection().await.expect("connect");
     let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);
@@ -79,7 +79,7 @@ async fn main() {
         hb_runs
             .iter()
             .map(|run| {
-                let t = Target { server_instance_id: run.server_instance_id.clone(), component_kind: "run".into() };
+                let t = RunAddress { server_instance_id: run.server_instance_id.clone(), component_kind: "run".into() };
                 let (s, r) = store.session_keys(&t);
                 (s, r, token_hash(run.token.as_deref().unwrap_or_default()))
             })

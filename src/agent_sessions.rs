@@ -1,32 +1,51 @@
-//! The service agents (AI sessions) call over HTTP: register (create the resource and run the
-//! election in the same call), release, heartbeat, read the routing table, fence.
-//! The HTTP layer parses and authorizes; this layer does the work.
+//! What AI agent sessions ask for, as a service over the election: register (create the
+//! ControllerRegistration on the agent's behalf and run the election in the same call),
+//! release, heartbeat, read the routing table, fence. The HTTP layer parses and
+//! authorizes; this layer does the work.
 
-use std::collections::BTreeSet;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use chrono::{DateTime, Utc};
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
+use tracing::warn;
 use uuid::Uuid;
 
 use crate::crd::{
     AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, REGISTRATION_FINALIZER,
-    ReleaseReason, is_label_value,
+    ReleaseReason, Role, is_label_value,
 };
-use crate::election::ElectionError;
-use crate::election::heartbeat::HeartbeatCoalescer;
-use crate::election::store::{ElectionStore, NewRegistration, ProjectView, RegisterOutcome, Registration, Touched};
-use crate::triggers::Triggers;
+use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
+use crate::election::{ElectionError, ElectionStore, LiveRole, NewRegistration, RegisterOutcome, Registration};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error(transparent)]
     Election(#[from] ElectionError),
-    #[error("Kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
+    #[error("{step}: Kubernetes API: {source}")]
+    Kube {
+        step: &'static str,
+        #[source]
+        source: kube::Error,
+    },
     #[error("session {0} has no live registration")]
     NotRegistered(String),
+    #[error("register: the API server gave the new resource uid {0:?}, which is not a uuid")]
+    BadUid(String),
+}
+
+/// `kube::Error` with the step that failed.
+trait KubeStep<T> {
+    fn step(self, step: &'static str) -> Result<T, AgentError>;
+}
+
+impl<T> KubeStep<T> for Result<T, kube::Error> {
+    fn step(self, step: &'static str) -> Result<T, AgentError> {
+        self.map_err(|source| AgentError::Kube { step, source })
+    }
 }
 
 /// One row of a routing table (SPEC §6).
@@ -36,10 +55,25 @@ pub struct RouteEntry {
     pub namespace: String,
     pub name: String,
     pub session_id: String,
-    pub agent_surface: String,
-    pub role: &'static str,
+    pub agent_surface: AgentSurface,
+    pub role: Role,
     pub registered_at: DateTime<Utc>,
     pub last_heartbeat: DateTime<Utc>,
+}
+
+impl From<&Registration> for RouteEntry {
+    fn from(r: &Registration) -> Self {
+        RouteEntry {
+            id: r.id,
+            namespace: r.namespace.clone(),
+            name: r.name.clone(),
+            session_id: r.session_id.clone(),
+            agent_surface: r.agent_surface,
+            role: r.role(),
+            registered_at: r.registered_at,
+            last_heartbeat: r.last_heartbeat,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -49,30 +83,10 @@ pub struct RoutingTable {
     pub term: i64,
     pub master: Option<RouteEntry>,
     pub peers: Vec<RouteEntry>,
+    /// Registrations the stale sweep released within the last `STALE_WINDOW`.
     pub stale: Vec<RouteEntry>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub caller: Option<RouteEntry>,
-}
-
-pub fn role_of(r: &Registration) -> &'static str {
-    match (r.is_live(), r.is_master) {
-        (false, _) => "Released",
-        (true, true) => "Master",
-        (true, false) => "Peer",
-    }
-}
-
-fn entry(r: &Registration) -> RouteEntry {
-    RouteEntry {
-        id: r.id,
-        namespace: r.namespace.clone(),
-        name: r.name.clone(),
-        session_id: r.session_id.clone(),
-        agent_surface: r.agent_surface.clone(),
-        role: role_of(r),
-        registered_at: r.registered_at,
-        last_heartbeat: r.last_heartbeat,
-    }
 }
 
 /// The result of a registration call.
@@ -86,31 +100,61 @@ pub struct Registered {
     pub routing: RoutingTable,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 pub struct HeartbeatReply {
-    pub role: &'static str,
+    pub role: Role,
     pub is_master: bool,
     pub you_were_preempted: bool,
     /// The project's current term (the master's fencing token).
     pub term: i64,
 }
 
-/// How long a heartbeat answer may be reused for the same session: the coalescing
-/// window, so a role change shows in heartbeat replies within a quarter second (fencing
-/// writes is `/fence`'s job, which always reads Postgres).
-const HEARTBEAT_VIEW_TTL: std::time::Duration = std::time::Duration::from_millis(250);
+impl From<LiveRole> for HeartbeatReply {
+    fn from(r: LiveRole) -> Self {
+        HeartbeatReply {
+            role: if r.is_master { Role::Master } else { Role::Peer },
+            is_master: r.is_master,
+            you_were_preempted: r.preempted,
+            term: r.project_term,
+        }
+    }
+}
 
-type HeartbeatViews =
-    std::sync::Mutex<std::collections::HashMap<(String, String), (std::time::Instant, (bool, bool, i64))>>;
+/// How far back the routing table lists registrations released by the stale sweep.
+pub const STALE_WINDOW: chrono::TimeDelta = chrono::TimeDelta::hours(24);
+
+/// Heartbeat answers given in the last coalescing window, per (namespace, session): a
+/// chatty agent costs Postgres one read per window, not one per call. Fencing writes is
+/// `/fence`'s job, which always reads Postgres.
+#[derive(Default)]
+pub struct RecentAnswers {
+    answers: Mutex<HashMap<(String, String), (Instant, LiveRole)>>,
+}
+
+impl RecentAnswers {
+    const MAX: usize = 100_000;
+
+    fn get(&self, key: &(String, String)) -> Option<LiveRole> {
+        let answers = self.answers.lock().ok()?;
+        answers.get(key).filter(|(at, _)| at.elapsed() < COALESCING_WINDOW).map(|(_, role)| *role)
+    }
+
+    fn put(&self, key: (String, String), role: LiveRole) {
+        if let Ok(mut answers) = self.answers.lock() {
+            if answers.len() > Self::MAX {
+                answers.retain(|_, (at, _)| at.elapsed() < COALESCING_WINDOW);
+            }
+            answers.insert(key, (Instant::now(), role));
+        }
+    }
+}
 
 #[derive(Clone)]
 pub struct AgentService {
     pub client: Client,
     pub store: ElectionStore,
     pub heartbeats: HeartbeatCoalescer,
-    pub triggers: Triggers,
-    pub stale_window: chrono::Duration,
-    pub views: std::sync::Arc<HeartbeatViews>,
+    pub recent: Arc<RecentAnswers>,
 }
 
 /// A readable, valid resource name for a registration: the project id folded to a DNS
@@ -123,10 +167,34 @@ fn name_prefix(project_id: &str) -> String {
     if s.is_empty() { "creg-".to_string() } else { format!("{s}-") }
 }
 
+/// The resource an agent's registration is: finalizer included, so a delete always
+/// releases, and the project label when the project id can be one.
+fn new_resource(project_id: &str, session_id: &str, surface: AgentSurface) -> ControllerRegistration {
+    let mut obj = ControllerRegistration::new(
+        "",
+        ControllerRegistrationSpec {
+            project_id: project_id.to_string(),
+            session_id: session_id.to_string(),
+            agent_surface: surface,
+        },
+    );
+    obj.metadata.name = None;
+    obj.metadata.generate_name = Some(name_prefix(project_id));
+    obj.metadata.finalizers = Some(vec![REGISTRATION_FINALIZER.to_string()]);
+    if is_label_value(project_id) {
+        obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), project_id.to_string())].into());
+    }
+    obj
+}
+
 impl AgentService {
+    pub fn new(client: Client, store: ElectionStore, heartbeats: HeartbeatCoalescer) -> Self {
+        Self { client, store, heartbeats, recent: Arc::default() }
+    }
+
     /// Registers the session for the project: finds its live registration there, or
-    /// creates the resource (finalizer included, so a delete always releases) and runs the
-    /// election at once, so the answer is in this response.
+    /// creates the resource and runs the election at once, so the answer is in this
+    /// response.
     pub async fn register(
         &self,
         namespace: &str,
@@ -141,38 +209,26 @@ impl AgentService {
             return self.registered(existing).await;
         }
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), namespace);
-        let mut obj = ControllerRegistration::new(
-            "",
-            ControllerRegistrationSpec {
-                project_id: project_id.to_string(),
-                session_id: session_id.to_string(),
-                agent_surface: surface,
-            },
-        );
-        obj.metadata.name = None;
-        obj.metadata.generate_name = Some(name_prefix(project_id));
-        obj.metadata.finalizers = Some(vec![REGISTRATION_FINALIZER.to_string()]);
-        if is_label_value(project_id) {
-            obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), project_id.to_string())].into());
-        }
-        let created = api.create(&PostParams::default(), &obj).await?;
-        let id = created.uid().and_then(|u| Uuid::parse_str(&u).ok()).ok_or(ElectionError::NotFound(Uuid::nil()))?;
+        let created = api
+            .create(&PostParams::default(), &new_resource(project_id, session_id, surface))
+            .await
+            .step("register: create the ControllerRegistration")?;
         let new = NewRegistration {
-            id,
+            id: resource_id(&created)?,
             namespace: namespace.to_string(),
             name: created.name_any(),
             project_id: project_id.to_string(),
             session_id: session_id.to_string(),
             surface,
         };
-        let (outcome, mut touched) = self.store.register(&new).await?;
-        touched.insert(Touched { namespace: namespace.to_string(), name: created.name_any() });
-        self.triggers.registrations(touched);
-        match outcome {
+        match self.store.register(&new).await? {
             RegisterOutcome::Registered(row) => self.registered(row).await,
             // A concurrent call registered the same session first: keep that one.
             RegisterOutcome::DuplicateSession { existing } => {
-                let _ = api.delete(&created.name_any(), &DeleteParams::default()).await;
+                if let Err(error) = api.delete(&new.name, &DeleteParams::default()).await {
+                    warn!(namespace, name = %new.name, %error,
+                          "could not delete the duplicate registration; its status says DuplicateSession");
+                }
                 self.registered(existing).await
             }
         }
@@ -181,9 +237,9 @@ impl AgentService {
     async fn registered(&self, row: Registration) -> Result<Registered, AgentError> {
         let routing = self.routing(&row.namespace, &row.project_id, Some(&row.session_id)).await?;
         Ok(Registered {
-            registration: entry(&row),
+            registration: RouteEntry::from(&row),
             project_id: row.project_id.clone(),
-            is_master: row.is_master && row.is_live(),
+            is_master: row.role() == Role::Master,
             term: routing.term,
             you_were_preempted: row.preempted,
             routing,
@@ -192,14 +248,14 @@ impl AgentService {
 
     /// Wrap: release (promoting a successor) and delete the resource.
     pub async fn release(&self, id: Uuid) -> Result<RoutingTable, AgentError> {
-        let row = self.store.get(id).await?.ok_or(ElectionError::NotFound(id))?;
-        let touched: BTreeSet<Touched> = self.store.release(id, ReleaseReason::Wrapped).await?;
-        self.triggers.registrations(touched);
+        let row = self.registration(id).await?;
+        self.store.release(id, ReleaseReason::Wrapped).await?;
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), &row.namespace);
         match api.delete(&row.name, &DeleteParams::default()).await {
             Ok(_) => {}
+            // Deleted already: the wrap is done all the same.
             Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(AgentError::Kube { step: "release: delete the ControllerRegistration", source: e }),
         }
         Ok(self.routing(&row.namespace, &row.project_id, None).await?)
     }
@@ -210,32 +266,21 @@ impl AgentService {
 
     pub async fn heartbeat(&self, namespace: &str, session_id: &str) -> Result<HeartbeatReply, AgentError> {
         let key = (namespace.to_string(), session_id.to_string());
-        let cached = self
-            .views
-            .lock()
-            .ok()
-            .and_then(|v| v.get(&key).filter(|(at, _)| at.elapsed() < HEARTBEAT_VIEW_TTL).map(|(_, view)| *view));
-        let (is_master, preempted, term) = match cached {
-            Some(view) => view,
+        let role = match self.recent.get(&key) {
+            Some(role) => role,
             None => {
-                let view = self
+                let role = self
                     .store
-                    .heartbeat_view(namespace, session_id)
+                    .live_role(namespace, session_id)
                     .await?
                     .ok_or_else(|| AgentError::NotRegistered(session_id.to_string()))?;
-                if let Ok(mut views) = self.views.lock() {
-                    if views.len() > 100_000 {
-                        views.retain(|_, (at, _)| at.elapsed() < HEARTBEAT_VIEW_TTL);
-                    }
-                    views.insert(key, (std::time::Instant::now(), view));
-                }
-                view
+                self.recent.put(key, role);
+                role
             }
         };
-        // The write is coalesced: this call costs Postgres one indexed read.
+        // The write is coalesced: this call costs Postgres at most one indexed read.
         self.heartbeats.beat(namespace, session_id);
-        let role = if is_master { "Master" } else { "Peer" };
-        Ok(HeartbeatReply { role, is_master, you_were_preempted: preempted, term })
+        Ok(role.into())
     }
 
     pub async fn routing(
@@ -244,28 +289,24 @@ impl AgentService {
         project_id: &str,
         session_id: Option<&str>,
     ) -> Result<RoutingTable, ElectionError> {
-        let view: ProjectView = self.store.project(namespace, project_id).await?;
-        let stale = self.store.recently_stale(namespace, project_id, Utc::now() - self.stale_window).await?;
-        let caller = match session_id {
-            Some(s) => {
-                self.heartbeats.beat(namespace, s);
-                view.live.iter().find(|r| r.session_id == s).map(entry)
-            }
-            None => None,
-        };
+        let view = self.store.project(namespace, project_id).await?;
+        let stale = self.store.recently_stale(namespace, project_id, Utc::now() - STALE_WINDOW).await?;
+        if let Some(s) = session_id {
+            self.heartbeats.beat(namespace, s);
+        }
         Ok(RoutingTable {
             project_id: project_id.to_string(),
             namespace: namespace.to_string(),
             term: view.term,
-            master: view.master.as_ref().map(entry),
-            peers: view.live.iter().filter(|r| !r.is_master).map(entry).collect(),
-            stale: stale.iter().map(entry).collect(),
-            caller,
+            master: view.master.as_ref().map(RouteEntry::from),
+            peers: view.live.iter().filter(|r| !r.is_master).map(RouteEntry::from).collect(),
+            stale: stale.iter().map(RouteEntry::from).collect(),
+            caller: session_id.and_then(|s| view.live.iter().find(|r| r.session_id == s)).map(RouteEntry::from),
         })
     }
 
-    /// Is `term` the project's current master term? Lets downstream systems reject writes
-    /// from a demoted master.
+    /// The project's master if `term` is its current master term: lets downstream systems
+    /// reject writes from a demoted master.
     pub async fn fence(
         &self,
         namespace: &str,
@@ -273,16 +314,19 @@ impl AgentService {
         term: i64,
     ) -> Result<Option<RouteEntry>, ElectionError> {
         let view = self.store.project(namespace, project_id).await?;
-        Ok(match &view.master {
-            Some(m) if m.master_term == Some(term) => Some(entry(m)),
-            _ => None,
-        })
+        Ok(view.master.as_ref().filter(|m| m.master_term == Some(term)).map(RouteEntry::from))
     }
+}
+
+/// The registration id of a resource: its metadata.uid, which the API server always sets.
+fn resource_id(obj: &ControllerRegistration) -> Result<Uuid, AgentError> {
+    let uid = obj.uid().unwrap_or_default();
+    Uuid::parse_str(&uid).map_err(|_| AgentError::BadUid(uid))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::name_prefix;
+    use super::*;
 
     #[test]
     fn names_are_dns_labels() {
@@ -290,5 +334,22 @@ mod tests {
         assert_eq!(name_prefix("my project/α"), "my-project-");
         assert_eq!(name_prefix("___"), "creg-");
         assert!(name_prefix(&"x".repeat(128)).len() <= 41);
+    }
+
+    #[test]
+    fn routing_entries_spell_roles_and_surfaces_as_the_resources_do() {
+        let entry = RouteEntry {
+            id: Uuid::nil(),
+            namespace: "ns".into(),
+            name: "r".into(),
+            session_id: "s".into(),
+            agent_surface: AgentSurface::ClaudeDesktop,
+            role: Role::Master,
+            registered_at: DateTime::UNIX_EPOCH,
+            last_heartbeat: DateTime::UNIX_EPOCH,
+        };
+        let json = serde_json::to_value(&entry).expect("json");
+        assert_eq!(json["role"], "Master");
+        assert_eq!(json["agent_surface"], "claude_desktop");
     }
 }

@@ -13,6 +13,8 @@ use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::db::text_enum;
+
 /// API group of every prism resource.
 pub const GROUP: &str = "prism.ntecdev.ai";
 /// Label carrying `spec.projectId` on each ControllerRegistration, for label selectors.
@@ -71,57 +73,29 @@ pub struct ControllerRegistrationSpec {
     pub agent_surface: AgentSurface,
 }
 
-/// The agent surfaces a registration can come from (also a Postgres CHECK constraint).
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[serde(rename_all = "snake_case")]
-pub enum AgentSurface {
-    ClaudeDesktop,
-    ClaudeCode,
-    Codex,
-    Cursor,
-    Other,
+text_enum! {
+    /// The agent surfaces a registration can come from (also a Postgres CHECK constraint).
+    #[derive(JsonSchema)]
+    pub enum AgentSurface {
+        ClaudeDesktop = "claude_desktop",
+        ClaudeCode = "claude_code",
+        Codex = "codex",
+        Cursor = "cursor",
+        Other = "other",
+    }
 }
 
 impl AgentSurface {
-    pub const ALL: [AgentSurface; 5] = [
-        AgentSurface::ClaudeDesktop,
-        AgentSurface::ClaudeCode,
-        AgentSurface::Codex,
-        AgentSurface::Cursor,
-        AgentSurface::Other,
-    ];
-
-    /// The wire and database spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AgentSurface::ClaudeDesktop => "claude_desktop",
-            AgentSurface::ClaudeCode => "claude_code",
-            AgentSurface::Codex => "codex",
-            AgentSurface::Cursor => "cursor",
-            AgentSurface::Other => "other",
-        }
-    }
-
     pub fn is_desktop(self) -> bool {
         self == AgentSurface::ClaudeDesktop
     }
 }
 
-impl std::str::FromStr for AgentSurface {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        AgentSurface::ALL.into_iter().find(|a| a.as_str() == s).ok_or_else(|| format!("unknown agent surface {s:?}"))
-    }
-}
-
-impl std::fmt::Display for AgentSurface {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
+/// A registration's role, spelled as Kubernetes spells enum values (`kubectl get` shows it);
+/// the HTTP API and the routing table use the same spelling.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Role {
+    /// Not (yet) in the election.
     #[default]
     Pending,
     Master,
@@ -129,12 +103,28 @@ pub enum Role {
     Released,
 }
 
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum ReleaseReason {
-    Wrapped,
-    ContextSwitch,
-    StaleHeartbeatIncident,
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Pending => "Pending",
+            Role::Master => "Master",
+            Role::Peer => "Peer",
+            Role::Released => "Released",
+        }
+    }
+}
+
+text_enum! {
+    /// Why a registration left its project (also a Postgres CHECK constraint).
+    #[derive(JsonSchema)]
+    pub enum ReleaseReason {
+        /// The session wrapped (its resource was deleted, or it called release).
+        Wrapped = "wrapped",
+        /// The session registered on another project.
+        ContextSwitch = "context_switch",
+        /// No heartbeat within the stale threshold: the sweep released it.
+        StaleHeartbeatIncident = "stale_heartbeat_incident",
+    }
 }
 
 /// Who a registration is: used for `status.master` and `status.preemptedBy`.
@@ -248,13 +238,15 @@ pub enum RunPhase {
     Unavailable,
 }
 
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum UnavailableReason {
-    RedisUnavailable,
-    LeaseExpired,
-    Superseded,
-    CredentialRotated,
+text_enum! {
+    /// Why a Run is not online.
+    #[derive(JsonSchema)]
+    pub enum UnavailableReason {
+        RedisUnavailable = "redis_unavailable",
+        LeaseExpired = "lease_expired",
+        Superseded = "superseded",
+        CredentialRotated = "credential_rotated",
+    }
 }
 
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@ pub mod run_registry;
 // Services over the domain: what agents ask for, and the signal that a resource's
 // status must be refreshed.
 pub mod agent_sessions;
-pub mod triggers;
+pub mod refresh;
 // Kubernetes glue: reconcilers and the Lease that picks the replica running them.
 pub mod leader;
 pub mod reconcilers;
@@ -21,6 +21,7 @@ pub mod commands;
 pub mod config;
 pub mod db;
 pub mod telemetry;
+pub mod time;
 
 /// Selects ring as the process's TLS provider for every client (kube, sqlx, reqwest),
 /// whatever features dependencies enable. Idempotent; call before building clients.

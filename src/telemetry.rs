@@ -55,11 +55,11 @@ pub struct Metrics {
     pub heartbeats: Counter,
     pub heartbeat_flushes: Counter,
     pub claim_seconds: Histogram,
-    pub election_events: Family<CauseLabels, Gauge>,
-    pub registrations: Family<RoleLabels, Gauge>,
+    election_events: Family<CauseLabels, Gauge>,
+    registrations: Family<RoleLabels, Gauge>,
     pub runs_online: Gauge,
     pub jobs_queued: Gauge,
-    pub up: Family<DependencyLabels, Gauge>,
+    up: Family<DependencyLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -129,6 +129,23 @@ impl Metrics {
         self.reconcile_seconds.get_or_create(&labels).observe(took.as_secs_f64());
         if failed {
             self.reconcile_errors.get_or_create(&labels).inc();
+        }
+    }
+
+    pub fn set_up(&self, dependency: &str, up: bool) {
+        self.up.get_or_create(&DependencyLabels { dependency: dependency.to_string() }).set(i64::from(up));
+    }
+
+    pub fn set_election_events(&self, cause: crate::election::Cause, n: i64) {
+        self.election_events.get_or_create(&CauseLabels { cause: cause.to_string() }).set(n);
+    }
+
+    /// Live registrations per (namespace, is_master); a namespace with none left drops out.
+    pub fn set_registrations(&self, counts: Vec<(String, bool, i64)>) {
+        self.registrations.clear();
+        for (namespace, master, n) in counts {
+            let role = if master { "master" } else { "peer" }.to_string();
+            self.registrations.get_or_create(&RoleLabels { namespace, role }).set(n);
         }
     }
 

@@ -56,11 +56,18 @@ async fn context_switch_commits_its_release_even_without_the_nudges_table() {
     let a = reg("ns", "on-a", "A", "sess", AgentSurface::Codex);
     store.register(&a).await.expect("register on A");
     let b = reg("ns", "on-b", "B", "sess", AgentSurface::Codex);
-    let (outcome, touched) = store.register(&b).await.expect("register on B despite the missing table");
+    // The old registration's status must be refreshed: its reconciler hears of it at commit.
+    let mut refresh = sqlx::postgres::PgListener::connect_with(&db.pool).await.expect("listener");
+    refresh.listen("prism_registrations").await.expect("LISTEN");
+    let outcome = store.register(&b).await.expect("register on B despite the missing table");
     assert!(matches!(outcome, RegisterOutcome::Registered(ref r) if r.is_master && r.project_id == "B"));
-    assert!(touched.iter().any(|t| t.name == "on-a"), "the old registration's status must be refreshed");
+    let signal = tokio::time::timeout(std::time::Duration::from_secs(5), refresh.recv())
+        .await
+        .expect("a refresh signal within 5 s")
+        .expect("notification");
+    assert_eq!(signal.payload(), "ns/on-a");
     let old = store.get(a.id).await.expect("get").expect("row");
-    assert_eq!(old.release_reason.as_deref(), Some("context_switch"));
+    assert_eq!(old.release_reason, Some(prism_operator::crd::ReleaseReason::ContextSwitch));
     assert!(logs.text().contains("could not write the wrap_session nudge"), "warning logged: {}", logs.text());
 }
 

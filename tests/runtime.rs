@@ -11,6 +11,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec, UnavailableReason};
 use prism_operator::run_client::{self, RunClient};
+use prism_operator::run_registry::jobs::JobState;
 use serde_json::{Value, json};
 use support::{Operator, PrivateRedis, TestDb, control_plane, eventually};
 
@@ -229,7 +230,7 @@ async fn jobs_go_to_their_own_target_and_cross_target_steps_are_refused() {
     assert!(b.claim(10).await.expect("claim b").is_empty());
     let got = a.claim(2).await.expect("claim a");
     assert_eq!(got.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), ids[..2]);
-    assert!(got.iter().all(|j| j.state == "claimed" && j.attempts == 1));
+    assert!(got.iter().all(|j| j.state == JobState::Claimed && j.attempts == 1));
     let job = got[0].id;
 
     // Cross-target steps: 403 cross_target, job unchanged.
@@ -249,7 +250,7 @@ async fn jobs_go_to_their_own_target_and_cross_target_steps_are_refused() {
     assert_eq!(state, ("claimed".to_string(), None));
 
     // The right Run acks, reports progress, completes.
-    assert_eq!(a.step(&job, "ack", None).await.expect("ack").state, "running");
+    assert_eq!(a.step(&job, "ack", None).await.expect("ack").state, JobState::Running);
     let p = a.step(&job, "progress", Some(json!({"progress": {"pct": 50}}))).await.expect("progress");
     assert_eq!(p.progress, Some(json!({"pct": 50})));
     // A Run that says hello again (new session) may finish what it claimed before.

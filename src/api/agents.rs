@@ -1,4 +1,5 @@
-//! `/api/v1/controller/*`: parse, authorize, call the agent service, map errors.
+//! `/api/v1/controller/*`, what AI agent sessions call: parse, authorize, call the agent
+//! sessions service, map errors.
 
 use std::sync::Arc;
 
@@ -11,22 +12,10 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::error::{ApiError, ApiJson};
-use crate::agent_sessions::{AgentError, HeartbeatReply, Registered, RoutingTable};
+use crate::agent_sessions::{HeartbeatReply, Registered, RoutingTable};
 use crate::crd::AgentSurface;
 
 const RESOURCE: &str = "controllerregistrations";
-
-impl From<AgentError> for ApiError {
-    fn from(e: AgentError) -> Self {
-        match e {
-            AgentError::Election(e) => e.into(),
-            AgentError::Kube(e) => e.into(),
-            AgentError::NotRegistered(s) => {
-                ApiError::not_found("not_registered", format!("session {s} has no live registration"))
-            }
-        }
-    }
-}
 
 fn check_namespace(ns: &str) -> Result<(), ApiError> {
     let ok = !ns.is_empty()

@@ -6,9 +6,12 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use serde_json::json;
-use tracing::error;
+use tracing::{error, warn};
 
+use crate::agent_sessions::AgentError;
+use crate::db::QueryError;
 use crate::election::ElectionError;
+use crate::run_registry::RegistryError;
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -53,26 +56,62 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A failed statement: 503 only when Postgres cannot be reached (worth a retry); anything
+/// else is a bug or bad data, a 500 whose cause is logged with the step that failed.
+impl From<QueryError> for ApiError {
+    fn from(e: QueryError) -> Self {
+        if e.is_unavailable() {
+            warn!(error = %e, "database unavailable");
+            ApiError::unavailable("database_unavailable", "the database is unavailable; retry")
+        } else {
+            ApiError::internal("database error", e)
+        }
+    }
+}
+
 impl From<ElectionError> for ApiError {
     fn from(e: ElectionError) -> Self {
         match e {
             ElectionError::NotFound(id) => ApiError::not_found("not_found", format!("registration {id} not found")),
             ElectionError::Contended(_) => ApiError::unavailable("contended", e.to_string()),
-            ElectionError::Database(_) => {
-                error!(error = %e, "database error");
-                ApiError::unavailable("database_unavailable", "the election database is unavailable")
-            }
+            ElectionError::Database(e) => e.into(),
         }
     }
 }
 
-impl From<kube::Error> for ApiError {
-    fn from(e: kube::Error) -> Self {
+impl From<AgentError> for ApiError {
+    fn from(e: AgentError) -> Self {
         match e {
-            kube::Error::Api(s) if s.code == 404 => ApiError::not_found("not_found", s.message),
-            kube::Error::Api(s) if s.code == 403 => ApiError::forbidden(s.message),
-            kube::Error::Api(s) if s.code == 422 || s.code == 400 => ApiError::invalid(s.message),
-            other => ApiError::unavailable("kubernetes_unavailable", other.to_string()),
+            AgentError::Election(e) => e.into(),
+            AgentError::Kube { step, source } => match source {
+                kube::Error::Api(s) if s.code == 404 => ApiError::not_found("not_found", s.message),
+                kube::Error::Api(s) if s.code == 403 => ApiError::forbidden(s.message),
+                kube::Error::Api(s) if s.code == 422 || s.code == 400 => ApiError::invalid(s.message),
+                other => {
+                    warn!(step, error = %other, "Kubernetes API unavailable");
+                    ApiError::unavailable("kubernetes_unavailable", format!("{step}: {other}"))
+                }
+            },
+            AgentError::NotRegistered(s) => {
+                ApiError::not_found("not_registered", format!("session {s} has no live registration"))
+            }
+            AgentError::BadUid(_) => ApiError::internal("register", e),
+        }
+    }
+}
+
+impl From<RegistryError> for ApiError {
+    fn from(e: RegistryError) -> Self {
+        if e.registry_unavailable() {
+            warn!(error = %e, "runtime registry unavailable");
+            return ApiError::unavailable(
+                "runtime_registry_unavailable",
+                "the runtime registry (Redis) is unavailable",
+            );
+        }
+        match e {
+            RegistryError::Database(e) => e.into(),
+            other => ApiError::internal("runtime registry", other),
         }
     }
 }

@@ -12,7 +12,8 @@ use serde_json::json;
 use sqlx::PgPool;
 
 use crate::agent_sessions::AgentService;
-use crate::run_registry::RedisStore;
+use crate::election::Cause;
+use crate::run_registry::service::RuntimeService;
 use crate::telemetry::Metrics;
 
 pub mod agents;
@@ -27,12 +28,10 @@ pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
 pub struct AppState {
     pub db: PgPool,
-    pub redis: RedisStore,
     pub kube: kube::Client,
     pub auth: auth::Authorizer,
     pub agents: AgentService,
-    pub runtime: crate::run_registry::service::RuntimeService,
-    pub triggers: crate::triggers::Triggers,
+    pub runtime: RuntimeService,
     pub metrics: Arc<Metrics>,
 }
 
@@ -64,44 +63,60 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// Cluster-wide gauges, read at scrape time. A dependency that does not answer is
-/// reported down and its gauges keep their last value.
+/// reported down (and logged) and its gauges keep their last value.
 async fn refresh_gauges(state: &AppState) {
-    use crate::telemetry::{CauseLabels, DependencyLabels, RoleLabels};
+    let pg_up = match postgres_gauges(state).await {
+        Ok(()) => true,
+        Err(error) => {
+            tracing::warn!(%error, "metrics: Postgres gauges not refreshed");
+            false
+        }
+    };
+    state.metrics.set_up("postgres", pg_up);
+    let redis_up = state.runtime.sessions.ping().await.is_ok();
+    state.metrics.set_up("redis", redis_up);
+    if redis_up && let Err(error) = runs_online_gauge(state).await {
+        tracing::warn!(%error, "metrics: runs online not refreshed");
+    }
+}
+
+async fn postgres_gauges(state: &AppState) -> Result<(), crate::db::QueryError> {
+    use crate::db::Step;
     let m = &state.metrics;
-    let pg_up = async {
-        let causes: Vec<(String, i64)> =
-            sqlx::query_as("SELECT cause, count(*) FROM controller_election_events GROUP BY cause").fetch_all(&state.db).await.map_err(|e| e.to_string())?;
-        for (cause, n) in causes {
-            m.election_events.get_or_create(&CauseLabels { cause }).set(n);
-        }
-        let roles: Vec<(String, bool, i64)> = sqlx::query_as(
-            "SELECT namespace, is_master, count(*) FROM controller_registrations WHERE released_at IS NULL GROUP BY 1, 2",
-        )
-        .fetch_all(&state.db)
-        .await
-        .map_err(|e| e.to_string())?;
-        m.registrations.clear();
-        for (namespace, master, n) in roles {
-            let role = if master { "master" } else { "peer" }.to_string();
-            m.registrations.get_or_create(&RoleLabels { namespace, role }).set(n);
-        }
-        m.jobs_queued.set(state.runtime.jobs.queue_depth().await.map_err(|e| e.to_string())?);
-        Ok::<_, String>(())
+    let causes: Vec<(Cause, i64)> =
+        sqlx::query_as("SELECT cause, count(*) FROM controller_election_events GROUP BY cause")
+            .fetch_all(&state.db)
+            .await
+            .step("metrics: count election events")?;
+    for (cause, n) in causes {
+        m.set_election_events(cause, n);
     }
+    let roles: Vec<(String, bool, i64)> = sqlx::query_as(
+        "SELECT namespace, is_master, count(*) FROM controller_registrations WHERE released_at IS NULL GROUP BY 1, 2",
+    )
+    .fetch_all(&state.db)
     .await
-    .is_ok();
-    m.up.get_or_create(&DependencyLabels { dependency: "postgres".into() }).set(i64::from(pg_up));
-    let redis_up = state.redis.ping().await.is_ok();
-    m.up.get_or_create(&DependencyLabels { dependency: "redis".into() }).set(i64::from(redis_up));
-    if redis_up && let Ok(identities) = state.runtime.identities.all_targets().await {
-        let mut online = 0;
-        for t in identities {
-            if matches!(state.redis.session(&t).await, Ok(Some(_))) {
-                online += 1;
-            }
+    .step("metrics: count live registrations")?;
+    m.set_registrations(roles);
+    match state.runtime.jobs.queue_depth().await {
+        Ok(n) => {
+            m.jobs_queued.set(n);
         }
-        m.runs_online.set(online);
+        Err(crate::run_registry::RegistryError::Database(e)) => return Err(e),
+        Err(other) => tracing::warn!(error = %other, "metrics: queued jobs not counted"),
+    };
+    Ok(())
+}
+
+async fn runs_online_gauge(state: &AppState) -> Result<(), crate::run_registry::RegistryError> {
+    let mut online = 0;
+    for address in state.runtime.identities.all_addresses().await? {
+        if state.runtime.sessions.session(&address).await?.is_some() {
+            online += 1;
+        }
     }
+    state.metrics.runs_online.set(online);
+    Ok(())
 }
 
 /// Liveness: the process serves requests. Dependencies are /readyz's business.
@@ -115,7 +130,7 @@ async fn healthz() -> &'static str {
 /// a connection error.
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     let postgres = sqlx::query("SELECT 1").execute(&state.db).await.map(|_| ()).map_err(|e| e.to_string());
-    let redis = state.redis.ping().await.map_err(|e| e.to_string());
+    let redis = state.runtime.sessions.ping().await.map_err(|e| e.to_string());
     let kubernetes = state.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string());
     let check = |r: &Result<(), String>| match r {
         Ok(()) => json!({"status": "ok"}),

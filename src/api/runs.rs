@@ -8,7 +8,7 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -17,32 +17,19 @@ use uuid::Uuid;
 use super::AppState;
 use super::auth::bearer;
 use super::error::{ApiError, ApiJson};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::Api;
 
-use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
+use crate::crd::RunSession;
+use crate::refresh::{self, NamespacedName};
 use crate::run_registry::identity::Identity;
-use crate::run_registry::jobs::{Job, Step, StepRefused};
+use crate::run_registry::jobs::{Job, JobKind, Step, StepRefused};
+use crate::run_registry::projection::{Lease, SessionView, project};
 use crate::run_registry::service::{Granted, Hello, HelloError, SessionRefused, check_snapshot};
-use crate::run_registry::{RuntimeError, Session, Target};
+use crate::run_registry::sessions::Renewal;
+use crate::run_registry::{RunAddress, Session};
 
 const RESOURCE: &str = "runsessions";
 const MAX_CLAIM: i64 = 100;
-
-impl From<RuntimeError> for ApiError {
-    fn from(e: RuntimeError) -> Self {
-        match e {
-            RuntimeError::Unavailable(_) => {
-                ApiError::unavailable("runtime_registry_unavailable", "the runtime registry (Redis) is unavailable")
-            }
-            RuntimeError::Database(e) => {
-                tracing::error!(error = %e, "database error");
-                ApiError::unavailable("database_unavailable", "the job database is unavailable")
-            }
-            RuntimeError::Entropy(e) => ApiError::internal("no randomness", e),
-        }
-    }
-}
 
 /// A JSON body that may be absent (empty), with our error codes when present but bad.
 fn optional_json<T: DeserializeOwned>(body: &Bytes) -> Result<Option<T>, ApiError> {
@@ -63,7 +50,7 @@ fn session_token(headers: &HeaderMap) -> Result<&str, ApiError> {
     bearer(headers).ok_or_else(|| ApiError::unauthenticated("unauthenticated", "a session token is required"))
 }
 
-async fn authenticated(state: &AppState, headers: &HeaderMap) -> Result<(Target, Session), ApiError> {
+async fn authenticated(state: &AppState, headers: &HeaderMap) -> Result<(RunAddress, Session), ApiError> {
     let token = session_token(headers)?;
     match state.runtime.session(token, None).await? {
         Ok(s) => Ok(s),
@@ -86,13 +73,13 @@ pub async fn hello(
 ) -> Result<(StatusCode, Json<Granted>), ApiError> {
     match state.runtime.hello(&body, Utc::now()).await? {
         Ok((identity, granted)) => {
-            state.triggers.runsession(&identity.namespace, &identity.name);
-            // The leader may be another replica: tell it through Postgres too.
-            let _ = sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(crate::reconcilers::NOTIFY_RUNSESSIONS)
-                .bind(format!("{}/{}", identity.namespace, identity.name))
-                .execute(&state.db)
-                .await;
+            // The session is granted whatever happens next; a lost signal only delays
+            // `Online` in status until the reconciler's own requeue.
+            let resource = NamespacedName::new(identity.namespace.as_str(), identity.name.as_str());
+            if let Err(error) = refresh::announce_now(&state.db, refresh::Kind::RunSession, [&resource]).await {
+                tracing::warn!(namespace = %resource.namespace, name = %resource.name, %error,
+                               "hello granted, but its RunSession's status refresh could not be announced");
+            }
             Ok((StatusCode::CREATED, Json(granted)))
         }
         Err(HelloError::Invalid(e)) => Err(ApiError::invalid(e.0)),
@@ -117,34 +104,13 @@ pub async fn heartbeat(
     let body: Option<HeartbeatBody> = optional_json(&body)?;
     let (caps, cap) = body.map(|b| (b.capabilities, b.capacity)).unwrap_or_default();
     check_snapshot(caps.as_ref(), cap.as_ref()).map_err(|e| ApiError::invalid(e.0))?;
-    match state.runtime.session(token, Some((Utc::now(), caps.as_ref(), cap.as_ref()))).await? {
+    let renewal = Renewal { now: Utc::now(), capabilities: caps.as_deref(), capacity: cap.as_ref() };
+    match state.runtime.session(token, Some(renewal)).await? {
         Ok((_, session)) => {
-            let lease = (session.ttl_ms.max(0) as u64).div_ceil(1000);
+            let lease = (session.lease_left.as_millis() as u64).div_ceil(1000);
             Ok(Json(json!({"lease_ttl_seconds": lease, "heartbeat_interval_seconds": (lease / 3).max(1)})))
         }
         Err(r) => Err(session_refused(r)),
-    }
-}
-
-#[derive(Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum JobKind {
-    Lifecycle,
-    Config,
-    File,
-    Log,
-    ProtectedRequest,
-}
-
-impl JobKind {
-    fn as_str(self) -> &'static str {
-        match self {
-            JobKind::Lifecycle => "lifecycle",
-            JobKind::Config => "config",
-            JobKind::File => "file",
-            JobKind::Log => "log",
-            JobKind::ProtectedRequest => "protected_request",
-        }
     }
 }
 
@@ -164,8 +130,8 @@ pub async fn enqueue(
     ApiJson(body): ApiJson<EnqueueBody>,
 ) -> Result<(StatusCode, Json<Job>), ApiError> {
     let caller = state.auth.authenticate(&headers).await?;
-    let target = Target { server_instance_id: body.server_instance_id, component_kind: body.component_kind };
-    let Some(identity) = state.runtime.identities.live(&target).await? else {
+    let address = RunAddress { server_instance_id: body.server_instance_id, component_kind: body.component_kind };
+    let Some(identity) = state.runtime.identities.live(&address).await? else {
         return Err(ApiError::not_found(
             "unknown_identity",
             "no RunSession has this server_instance_id/component_kind",
@@ -173,7 +139,7 @@ pub async fn enqueue(
     };
     state.auth.authorize_named(&caller, "update", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
     let payload = if body.payload.is_null() { json!({}) } else { body.payload };
-    let job = state.runtime.jobs.enqueue(&target, body.kind.as_str(), &payload).await?;
+    let job = state.runtime.jobs.enqueue(&address, body.kind, &payload).await?;
     Ok((StatusCode::CREATED, Json(job)))
 }
 
@@ -194,8 +160,8 @@ pub async fn claim(
     }
     // No session (Redis down included) means no job is assigned.
     let started = std::time::Instant::now();
-    let (target, session) = authenticated(&state, &headers).await?;
-    let jobs = state.runtime.claim(&target, &session, max).await?;
+    let (address, session) = authenticated(&state, &headers).await?;
+    let jobs = state.runtime.claim(&address, &session, max).await?;
     state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
     Ok(Json(json!({"jobs": jobs})))
 }
@@ -243,8 +209,8 @@ pub async fn job_step(
         }
         _ => return Err(ApiError::not_found("not_found", "no such endpoint")),
     };
-    let (target, _) = authenticated(&state, &headers).await?;
-    match state.runtime.step(&target, id, step, value.as_ref()).await? {
+    let (address, _) = authenticated(&state, &headers).await?;
+    match state.runtime.step(&address, id, step, value.as_ref()).await? {
         Ok(job) => Ok(Json(job)),
         Err(StepRefused::NotFound) => Err(ApiError::not_found("job_not_found", format!("job {id} not found"))),
         Err(StepRefused::CrossTarget) => Err(ApiError::new(
@@ -256,79 +222,14 @@ pub async fn job_step(
     }
 }
 
-/// One component's safe projection: never a token, hash, key name or credential.
+/// One component of a server: which resource it is, and the safe projection.
 #[derive(Serialize)]
 pub struct ComponentStatus {
     component_kind: String,
     namespace: String,
     name: String,
-    phase: RunPhase,
-    online: bool,
-    last_heartbeat: Option<DateTime<Utc>>,
-    session_started_at: Option<DateTime<Utc>>,
-    version: Option<String>,
-    target: Option<RunTarget>,
-    capabilities: Vec<String>,
-    capacity: BTreeMap<String, i64>,
-    unavailable_reason: Option<UnavailableReason>,
-}
-
-fn from_time(t: Option<Time>) -> Option<DateTime<Utc>> {
-    t.and_then(|t| DateTime::<Utc>::from_timestamp_micros(t.0.as_microsecond()))
-}
-
-/// Live facts from the Redis lease when there is one; otherwise the last known facts
-/// and the reason from the RunSession's status (the reconciler's projection).
-fn component(
-    identity: &Identity,
-    live: Option<Session>,
-    registry_up: bool,
-    known: RunSessionStatus,
-) -> ComponentStatus {
-    let base = ComponentStatus {
-        component_kind: identity.component_kind.clone(),
-        namespace: identity.namespace.clone(),
-        name: identity.name.clone(),
-        phase: known.phase,
-        online: false,
-        last_heartbeat: from_time(known.last_heartbeat),
-        session_started_at: from_time(known.session_started_at),
-        version: known.version,
-        target: known.target,
-        capabilities: known.capabilities,
-        capacity: known.capacity,
-        unavailable_reason: known.unavailable_reason,
-    };
-    if !registry_up {
-        return ComponentStatus {
-            phase: RunPhase::Unavailable,
-            unavailable_reason: Some(UnavailableReason::RedisUnavailable),
-            ..base
-        };
-    }
-    match live {
-        Some(s) => {
-            let target: Option<RunTarget> = serde_json::from_str(&s.target).ok();
-            ComponentStatus {
-                phase: RunPhase::Online,
-                online: true,
-                last_heartbeat: DateTime::<Utc>::from_timestamp_millis(s.last_heartbeat_ms),
-                session_started_at: DateTime::<Utc>::from_timestamp_millis(s.started_at_ms),
-                version: (!s.version.is_empty()).then_some(s.version),
-                target,
-                capabilities: serde_json::from_str(&s.capabilities).unwrap_or_default(),
-                capacity: serde_json::from_str(&s.capacity).unwrap_or_default(),
-                unavailable_reason: None,
-                ..base
-            }
-        }
-        None if base.phase == RunPhase::Online || base.phase == RunPhase::Unavailable => ComponentStatus {
-            phase: RunPhase::Offline,
-            unavailable_reason: Some(UnavailableReason::LeaseExpired),
-            ..base
-        },
-        None => base,
-    }
+    #[serde(flatten)]
+    session: SessionView,
 }
 
 pub async fn server_status(
@@ -344,16 +245,45 @@ pub async fn server_status(
     let mut components = Vec::new();
     for identity in &identities {
         state.auth.authorize_named(&caller, "get", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
-        let known = Api::<RunSession>::namespaced(state.kube.clone(), &identity.namespace)
-            .get_opt(&identity.name)
-            .await?
-            .and_then(|r| r.status)
-            .unwrap_or_default();
-        let (live, up) = match state.runtime.redis.session(&identity.target()).await {
-            Ok(s) => (s.filter(|s| s.generation == identity.key_generation), true),
-            Err(_) => (None, false),
-        };
-        components.push(component(identity, live, up, known));
+        components.push(component_status(&state, identity).await?);
     }
     Ok(Json(json!({"server_instance_id": server_instance_id, "components": components})))
+}
+
+/// A component as its RunSession's status would show it now: live facts from the Redis
+/// lease when there is one, else the last facts the status showed.
+async fn component_status(state: &AppState, identity: &Identity) -> Result<ComponentStatus, ApiError> {
+    let shown = Api::<RunSession>::namespaced(state.kube.clone(), &identity.namespace)
+        .get_opt(&identity.name)
+        .await
+        .map_err(|e| {
+            tracing::warn!(namespace = %identity.namespace, name = %identity.name, error = %e,
+                           "server status: reading the RunSession failed");
+            ApiError::unavailable("kubernetes_unavailable", format!("server status: read RunSession: {e}"))
+        })?
+        .and_then(|r| r.status)
+        .map(|status| SessionView::shown_in(&status))
+        .unwrap_or_default();
+    let live = match state.runtime.sessions.session(&identity.address()).await {
+        // A session opened with an older key does not count.
+        Ok(session) => session.filter(|s| s.generation == identity.key_generation),
+        Err(e) if e.registry_unavailable() => {
+            return Ok(component(identity, project(Lease::RegistryDown, &shown)));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let lease = match &live {
+        Some(session) => Lease::Held(session),
+        None => Lease::Absent { credential_rotated: false },
+    };
+    Ok(component(identity, project(lease, &shown)))
+}
+
+fn component(identity: &Identity, session: SessionView) -> ComponentStatus {
+    ComponentStatus {
+        component_kind: identity.component_kind.clone(),
+        namespace: identity.namespace.clone(),
+        name: identity.name.clone(),
+        session,
+    }
 }

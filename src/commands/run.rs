@@ -13,106 +13,126 @@ use crate::api::{self, AppState};
 use crate::config::{RunArgs, redact_url};
 use crate::db;
 use crate::election::ElectionStore;
-use crate::election::heartbeat::HeartbeatCoalescer;
+use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
 use crate::reconcilers;
-use crate::run_registry::RedisStore;
+use crate::run_registry::SessionStore;
 use crate::run_registry::identity::IdentityStore;
 use crate::run_registry::jobs::JobStore;
 use crate::run_registry::service::RuntimeService;
 use crate::telemetry::Metrics;
 
-/// Heartbeats arriving within this window become one UPDATE.
-const HEARTBEAT_WINDOW: Duration = Duration::from_millis(250);
-
+/// `prism-operator run`, step by step.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     args.validate()?;
-    let database_url = args.database.url()?;
-    let pool = connect_with_retry(database_url).await?;
-    db::migrate(&pool).await?;
-    info!(database = %redact_url(database_url), "migrations applied");
-
-    let redis_url = args.redis_url()?;
-    let redis = RedisStore::new(redis_url, &args.redis_prefix)
-        .with_context(|| format!("REDIS_URL {} is malformed", redact_url(redis_url)))?;
-    if let Err(e) = redis.ping().await {
-        warn!(redis = %redact_url(redis_url), error = %e, "Redis is unreachable; the runtime registry is unavailable until it returns");
-    }
-
+    let pool = open_database(&args).await?;
+    let sessions = open_session_store(&args).await?;
     let kube = kube::Client::try_default()
         .await
         .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")?;
-
     let metrics = Arc::new(Metrics::default());
     let election = ElectionStore::new(pool.clone());
-    let heartbeats = HeartbeatCoalescer::spawn(election.clone(), HEARTBEAT_WINDOW, metrics.heartbeat_flushes.clone());
     let runtime = RuntimeService {
-        redis: redis.clone(),
+        sessions,
         identities: IdentityStore::new(pool.clone()),
         jobs: JobStore::new(pool.clone(), Duration::from_secs(u64::from(args.job_visibility_seconds))),
         default_lease_seconds: args.run_lease_seconds,
     };
-    let triggers = reconcilers::Triggers::default();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    start_leader_work(&args, &kube, &election, &runtime, &metrics, stop_rx.clone());
+    let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
+    let state = Arc::new(AppState {
+        db: pool,
+        auth: api::auth::Authorizer::new(kube.clone()),
+        agents: AgentService::new(kube.clone(), election, heartbeats),
+        kube,
+        runtime,
+        metrics,
+    });
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        // Receivers live as long as the server and the leader loop; none left is fine.
+        let _ = stop_tx.send(true);
+    });
+    serve_api(&args, state, stop_rx).await?;
+    // Give the leader loop a moment to hand the Lease back.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    info!("stopped");
+    Ok(())
+}
+
+/// Connects (waiting for a Postgres that starts with us) and applies the migrations.
+async fn open_database(args: &RunArgs) -> anyhow::Result<sqlx::PgPool> {
+    let url = args.database.url()?;
+    let pool = connect_with_retry(url).await?;
+    db::migrate(&pool).await?;
+    info!(database = %redact_url(url), "migrations applied");
+    Ok(pool)
+}
+
+/// The Redis side of the registry. An unreachable Redis is no reason not to start: the
+/// registry reports itself unavailable until it returns.
+async fn open_session_store(args: &RunArgs) -> anyhow::Result<SessionStore> {
+    let url = args.redis_url()?;
+    let sessions = SessionStore::new(url, &args.redis_prefix)
+        .with_context(|| format!("REDIS_URL {} is malformed", redact_url(url)))?;
+    if let Err(e) = sessions.ping().await {
+        warn!(redis = %redact_url(url), error = %e, "Redis is unreachable; the runtime registry is unavailable until it returns");
+    }
+    Ok(sessions)
+}
+
+/// Controllers, the stale sweep, the job reaper and the registry watch: on the Lease
+/// holder only when leader election is on (every replica serves the HTTP API).
+fn start_leader_work(
+    args: &RunArgs,
+    kube: &kube::Client,
+    election: &ElectionStore,
+    runtime: &RuntimeService,
+    metrics: &Arc<Metrics>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     let ctx = Arc::new(reconcilers::Context {
         client: kube.clone(),
         election: election.clone(),
         runtime: runtime.clone(),
         recorder: reconcilers::recorder(kube.clone()),
-        triggers: triggers.clone(),
         stale_after: chrono::Duration::minutes(i64::from(args.peer_stale_minutes)),
         metrics: metrics.clone(),
         reconcile_concurrency: args.reconcile_concurrency,
         written_registrations: Default::default(),
         written_runsessions: Default::default(),
     });
-    // Controllers, the stale sweep, the job reaper and the registry watch: on the Lease
-    // holder only when leader election is on; every replica serves the HTTP API.
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let leader_work = {
-        let ctx = ctx.clone();
-        let namespace = args.watch_namespace.clone();
-        let stale = args.peer_stale_minutes;
-        let sweep_every = Duration::from_secs(u64::from(args.sweep_interval_seconds));
-        move || reconcilers::lead(ctx.clone(), namespace.clone(), stale, sweep_every)
-    };
+    let namespace = args.watch_namespace.clone();
+    let stale = args.peer_stale_minutes;
+    let sweep_every = Duration::from_secs(u64::from(args.sweep_interval_seconds));
+    let leader_work = move || reconcilers::lead(ctx.clone(), namespace.clone(), stale, sweep_every);
     if args.leader_election {
         let cfg = crate::leader::LeaseConfig::from_env("prism-operator-leader");
-        let mut rx = stop_rx.clone();
         tokio::spawn(crate::leader::run(kube.clone(), cfg, leader_work, async move {
-            let _ = rx.wait_for(|stop| *stop).await;
+            // A closed channel means the process is stopping: stop leading as well.
+            let _ = stop.wait_for(|stop| *stop).await;
         }));
     } else {
         tokio::spawn(leader_work());
     }
+}
 
-    let agents = AgentService {
-        client: kube.clone(),
-        store: election,
-        heartbeats,
-        triggers: triggers.clone(),
-        stale_window: chrono::Duration::hours(24),
-        views: Default::default(),
-    };
-    let auth = api::auth::Authorizer::new(kube.clone());
-    let state = Arc::new(AppState { db: pool, redis, kube, auth, agents, runtime, triggers, metrics });
+/// Serves the HTTP API until `stop` says so.
+async fn serve_api(
+    args: &RunArgs,
+    state: Arc<AppState>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {} (PRISM_LISTEN)", args.listen))?;
     info!(listen = %args.listen, "HTTP API serving");
-    let mut rx = stop_rx.clone();
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        let _ = stop_tx.send(true);
-    });
     axum::serve(listener, api::router(state))
         .with_graceful_shutdown(async move {
-            let _ = rx.wait_for(|stop| *stop).await;
+            let _ = stop.wait_for(|stop| *stop).await;
         })
         .await
-        .context("HTTP server failed")?;
-    // Give the leader loop a moment to hand the Lease back.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    info!("stopped");
-    Ok(())
+        .context("HTTP server failed")
 }
 
 /// Postgres may start after the operator (a Helm install starts both at once): retry for

@@ -3,7 +3,6 @@
 //! `kubectl prism status` when installed as `kubectl-prism`).
 
 use chrono::{DateTime, Utc};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use uuid::Uuid;
@@ -11,19 +10,7 @@ use uuid::Uuid;
 use crate::agent_sessions::{RouteEntry, RoutingTable};
 use crate::config::OutputFormat;
 use crate::crd::{ControllerRegistration, ReleaseReason, Role};
-
-fn chrono_of(t: &Option<Time>) -> DateTime<Utc> {
-    t.as_ref().and_then(|t| DateTime::from_timestamp_micros(t.0.as_microsecond())).unwrap_or(DateTime::UNIX_EPOCH)
-}
-
-fn role_str(role: Role) -> &'static str {
-    match role {
-        Role::Pending => "Pending",
-        Role::Master => "Master",
-        Role::Peer => "Peer",
-        Role::Released => "Released",
-    }
-}
+use crate::time::from_k8s;
 
 /// The routing table of one project, built from the registrations' status (pure).
 pub fn routing_table(namespace: &str, project_id: &str, regs: &[ControllerRegistration]) -> RoutingTable {
@@ -39,14 +26,15 @@ pub fn routing_table(namespace: &str, project_id: &str, regs: &[ControllerRegist
     for r in regs {
         let status = r.status.clone().unwrap_or_default();
         let entry = RouteEntry {
+            // A uid is a uuid on every API server; nil marks the impossible case.
             id: r.uid().and_then(|u| Uuid::parse_str(&u).ok()).unwrap_or_default(),
             namespace: namespace.to_string(),
             name: r.name_any(),
             session_id: r.spec.session_id.clone(),
-            agent_surface: r.spec.agent_surface.as_str().to_string(),
-            role: role_str(status.role),
-            registered_at: chrono_of(&status.registered_at),
-            last_heartbeat: chrono_of(&status.last_heartbeat),
+            agent_surface: r.spec.agent_surface,
+            role: status.role,
+            registered_at: status.registered_at.as_ref().map(from_k8s).unwrap_or(DateTime::UNIX_EPOCH),
+            last_heartbeat: status.last_heartbeat.as_ref().map(from_k8s).unwrap_or(DateTime::UNIX_EPOCH),
         };
         match status.role {
             Role::Master => {
@@ -80,11 +68,11 @@ fn age(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
 pub fn render(table: &RoutingTable, now: DateTime<Utc>) -> String {
     let mut rows = vec![["NAME", "ROLE", "SURFACE", "SESSION", "HEARTBEAT"].map(String::from).to_vec()];
     for e in table.master.iter().chain(&table.peers).chain(&table.stale) {
-        let role = if e.role == "Released" { "Stale" } else { e.role };
+        let role = if e.role == Role::Released { "Stale" } else { e.role.as_str() };
         rows.push(vec![
             e.name.clone(),
             role.into(),
-            e.agent_surface.clone(),
+            e.agent_surface.to_string(),
             e.session_id.clone(),
             age(e.last_heartbeat, now),
         ]);

@@ -1,26 +1,29 @@
-//! The controller election (SPEC §4): pure rules plus the Postgres store around them.
+//! The controller election (SPEC §4): pure rules, the Postgres store around them, and
+//! the heartbeat coalescer that keeps registrations fresh.
 
 pub mod heartbeat;
 pub mod rules;
 pub mod store;
 
 pub use rules::{Candidate, Cause, Decision, Event, ProjectState, Transition, decide};
-pub use store::{ElectionStore, NewRegistration, RegisterOutcome, Registration, Touched};
+pub use store::{ElectionStore, LiveRole, NewRegistration, ProjectView, RegisterOutcome, Registration};
 
-/// Errors of the election layer; mapped once to HTTP codes and conditions.
+use crate::db::QueryError;
+
+/// Errors of the election layer; mapped once to HTTP codes (api::error) and conditions.
 #[derive(Debug, thiserror::Error)]
 pub enum ElectionError {
-    #[error("database unavailable: {0}")]
-    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Database(#[from] QueryError),
     #[error("registration {0} not found")]
     NotFound(uuid::Uuid),
-    #[error("the election did not settle after {0} attempts (concurrent changes)")]
-    Contended(u32),
+    #[error("{0}: the election did not settle after {attempts} attempts (concurrent changes)", attempts = store::MAX_ATTEMPTS)]
+    Contended(&'static str),
 }
 
 impl ElectionError {
-    /// A unique-index race lost to a concurrent transaction: retry the whole operation.
-    pub fn is_race(e: &sqlx::Error) -> bool {
-        matches!(e, sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("23505") | Some("40001") | Some("40P01")))
+    /// A race lost to a concurrent transaction: the whole operation may be retried.
+    pub fn is_race(&self) -> bool {
+        matches!(self, ElectionError::Database(e) if e.is_race())
     }
 }

@@ -8,6 +8,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use crate::crd::{AgentSurface, ReleaseReason};
+use crate::db::text_enum;
 
 /// A live registration as the election sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,25 +34,26 @@ pub enum Event {
     Release { ids: Vec<Uuid>, reason: ReleaseReason },
 }
 
-/// Why the master changed; stored in `controller_election_events.cause`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Cause {
-    /// A registration became master of a project that had none.
-    Elected,
-    /// A desktop registration took over from a non-desktop master.
-    Preempted,
-    /// The master left for this reason (and a successor, if any, was promoted).
-    Released(ReleaseReason),
+text_enum! {
+    /// Why the master changed; stored in `controller_election_events.cause`.
+    pub enum Cause {
+        /// A registration became master of a project that had none.
+        Elected = "elected",
+        /// A desktop registration took over from a non-desktop master.
+        Preempted = "preempted",
+        /// The master left for one of these reasons (and a successor, if any, was promoted).
+        Wrapped = "wrapped",
+        ContextSwitch = "context_switch",
+        StaleHeartbeatIncident = "stale_heartbeat_incident",
+    }
 }
 
-impl Cause {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Cause::Elected => "elected",
-            Cause::Preempted => "preempted",
-            Cause::Released(ReleaseReason::Wrapped) => "wrapped",
-            Cause::Released(ReleaseReason::ContextSwitch) => "context_switch",
-            Cause::Released(ReleaseReason::StaleHeartbeatIncident) => "stale_heartbeat_incident",
+impl From<ReleaseReason> for Cause {
+    fn from(reason: ReleaseReason) -> Self {
+        match reason {
+            ReleaseReason::Wrapped => Cause::Wrapped,
+            ReleaseReason::ContextSwitch => Cause::ContextSwitch,
+            ReleaseReason::StaleHeartbeatIncident => Cause::StaleHeartbeatIncident,
         }
     }
 }
@@ -185,7 +187,7 @@ pub fn decide(state: &ProjectState, event: &Event) -> Decision {
                     transitions.push((s, Transition::Promoted));
                 }
                 if master_left || successor.is_some() {
-                    master_change = Some(MasterChange { previous, master: successor, cause: Cause::Released(*reason) });
+                    master_change = Some(MasterChange { previous, master: successor, cause: Cause::from(*reason) });
                 }
             }
         }
@@ -272,7 +274,7 @@ mod tests {
         let (s, d) = apply(&s, Event::Release { ids: vec![Uuid::from_u128(3)], reason: ReleaseReason::Wrapped });
         assert_eq!(master_id(&s), Some(4), "the other desktop, though registered last");
         assert_eq!(s.term, 3);
-        assert_eq!(d.master_change.map(|c| c.cause), Some(Cause::Released(ReleaseReason::Wrapped)));
+        assert_eq!(d.master_change.map(|c| c.cause), Some(Cause::Wrapped));
         let (s, _) = apply(&s, Event::Release { ids: vec![Uuid::from_u128(4)], reason: ReleaseReason::ContextSwitch });
         assert_eq!(master_id(&s), Some(1), "then the earliest non-desktop");
         assert_eq!(s.term, 4);
@@ -300,11 +302,7 @@ mod tests {
         assert_eq!(s.term, 1, "no new master, no new term");
         assert_eq!(
             d.master_change,
-            Some(MasterChange {
-                previous: Some(Uuid::from_u128(1)),
-                master: None,
-                cause: Cause::Released(ReleaseReason::Wrapped)
-            })
+            Some(MasterChange { previous: Some(Uuid::from_u128(1)), master: None, cause: Cause::Wrapped })
         );
         let (s, _) = apply(&s, Event::Register(cand(2, Other, 5)));
         assert_eq!(master_id(&s), Some(2));

@@ -1,7 +1,12 @@
-//! The election's Postgres side: each event is one transaction that locks the project
-//! (an advisory lock), reads the live candidates, applies `rules::decide` and writes registrations,
-//! `controller_projects.term` and a `controller_election_events` row. A context switch is
-//! two transactions (D5). Races on the partial unique indexes are retried, never surfaced.
+//! The election's Postgres side. Each event is one transaction that locks the project
+//! (an advisory lock), reads its live candidates, applies `rules::decide` and writes the
+//! registrations, `controller_projects` (term, master) and one `controller_election_events`
+//! row per change of master. A context switch (SPEC §4 rule 7) is two transactions: the
+//! release on the old project, then the election on the new one. Races on the partial
+//! unique indexes are retried, never surfaced.
+//!
+//! Every resource whose status an event changes is announced through `refresh` inside
+//! the same transaction, so the reconcilers hear of it at commit and only then.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -11,12 +16,20 @@ use tracing::{debug, warn};
 use uuid::Uuid;
 
 use super::ElectionError;
-use super::rules::{Candidate, Decision, Event, ProjectState, Transition, decide};
-use crate::crd::{AgentSurface, ReleaseReason};
+use super::rules::{Candidate, Decision, Event, MasterChange, ProjectState, Transition, decide};
+use crate::crd::{AgentSurface, ReleaseReason, Role};
+use crate::db::{QueryError, Step};
+use crate::refresh::{self, NamespacedName};
 
-const MAX_ATTEMPTS: u32 = 8;
+/// How often one operation is tried against concurrent transactions before it reports
+/// `Contended`.
+pub const MAX_ATTEMPTS: u32 = 8;
 /// Key of the advisory lock that lets one replica at a time run the stale sweep.
 const SWEEP_LOCK_KEY: i64 = 0x7072_6973_6d5f_7377; // "prism_sw"
+
+/// The unique indexes whose violation by the registration insert is an answer, not a race.
+const ID_INDEX: &str = "controller_registrations_pkey";
+const SESSION_INDEX: &str = "controller_registrations_one_live_per_session";
 
 #[derive(Clone, Debug)]
 pub struct NewRegistration {
@@ -37,56 +50,31 @@ pub struct Registration {
     pub name: String,
     pub project_id: String,
     pub session_id: String,
-    pub agent_surface: String,
+    pub agent_surface: AgentSurface,
     pub is_master: bool,
+    /// The project term in which this registration became master.
     pub master_term: Option<i64>,
     pub registered_at: DateTime<Utc>,
     pub last_heartbeat: DateTime<Utc>,
     pub released_at: Option<DateTime<Utc>>,
-    pub release_reason: Option<String>,
+    pub release_reason: Option<ReleaseReason>,
     pub preempted: bool,
     pub preempted_by: Option<Uuid>,
 }
 
 impl Registration {
-    pub fn surface(&self) -> AgentSurface {
-        // The CHECK constraint admits only known surfaces.
-        self.agent_surface.parse().unwrap_or(AgentSurface::Other)
-    }
-
-    pub fn reason(&self) -> Option<ReleaseReason> {
-        match self.release_reason.as_deref()? {
-            "wrapped" => Some(ReleaseReason::Wrapped),
-            "context_switch" => Some(ReleaseReason::ContextSwitch),
-            "stale_heartbeat_incident" => Some(ReleaseReason::StaleHeartbeatIncident),
-            _ => None,
-        }
-    }
-
     pub fn is_live(&self) -> bool {
         self.released_at.is_none()
     }
-}
 
-/// A resource whose status must be refreshed because an election touched it.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Touched {
-    pub namespace: String,
-    pub name: String,
+    pub fn role(&self) -> Role {
+        match (self.is_live(), self.is_master) {
+            (false, _) => Role::Released,
+            (true, true) => Role::Master,
+            (true, false) => Role::Peer,
+        }
+    }
 }
-
-/// How one TXN2 attempt ended.
-enum Attempt {
-    Done(Box<Registration>, BTreeSet<Touched>),
-    /// A row with this id exists already (the primary key said so).
-    Exists,
-    /// The session has a live registration (the one-live-per-session index said so).
-    SessionLive,
-}
-
-/// The unique indexes whose violation by the registration insert is an answer, not a race.
-const ID_INDEX: &str = "controller_registrations_pkey";
-const SESSION_INDEX: &str = "controller_registrations_one_live_per_session";
 
 #[derive(Clone, Debug)]
 pub enum RegisterOutcome {
@@ -97,16 +85,35 @@ pub enum RegisterOutcome {
     DuplicateSession { existing: Registration },
 }
 
+/// What a heartbeat answers about a session's live registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, sqlx::FromRow)]
+pub struct LiveRole {
+    pub is_master: bool,
+    pub preempted: bool,
+    /// The project's current term (what a client fences against).
+    pub project_term: i64,
+}
+
 /// A project's routing view.
 #[derive(Clone, Debug, Default)]
 pub struct ProjectView {
     pub term: i64,
     pub master: Option<Registration>,
+    /// Master first, then by succession order.
     pub live: Vec<Registration>,
 }
 
 const COLUMNS: &str = "id, namespace, name, project_id, session_id, agent_surface, is_master, master_term, \
      registered_at, last_heartbeat, released_at, release_reason, preempted, preempted_by";
+
+/// How one attempt at the election on the new project ended.
+enum Attempt {
+    Done(Box<Registration>),
+    /// A row with this id exists already (the primary key said so).
+    IdKnown,
+    /// The session has a live registration (the one-live-per-session index said so).
+    SessionLive,
+}
 
 #[derive(Clone)]
 pub struct ElectionStore {
@@ -124,7 +131,11 @@ impl ElectionStore {
 
     pub async fn get(&self, id: Uuid) -> Result<Option<Registration>, ElectionError> {
         let sql = format!("SELECT {COLUMNS} FROM controller_registrations WHERE id = $1");
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(&self.pool).await?)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .step("read registration by id")?)
     }
 
     /// The live registration of a session, if any.
@@ -136,32 +147,33 @@ impl ElectionStore {
         let sql = format!(
             "SELECT {COLUMNS} FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND released_at IS NULL"
         );
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(namespace).bind(session_id).fetch_optional(&self.pool).await?)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(namespace)
+            .bind(session_id)
+            .fetch_optional(&self.pool)
+            .await
+            .step("read the session's live registration")?)
     }
 
-    /// (is_master, preempted, the project's term) of a session's live registration: what a
-    /// heartbeat answers, in one indexed read.
-    pub async fn heartbeat_view(
-        &self,
-        namespace: &str,
-        session_id: &str,
-    ) -> Result<Option<(bool, bool, i64)>, ElectionError> {
+    /// What a heartbeat answers, in one indexed read.
+    pub async fn live_role(&self, namespace: &str, session_id: &str) -> Result<Option<LiveRole>, ElectionError> {
         Ok(sqlx::query_as(
-            "SELECT r.is_master, r.preempted, p.term FROM controller_registrations r
+            "SELECT r.is_master, r.preempted, p.term AS project_term FROM controller_registrations r
              JOIN controller_projects p ON p.namespace = r.namespace AND p.project_id = r.project_id
              WHERE r.namespace = $1 AND r.session_id = $2 AND r.released_at IS NULL",
         )
         .bind(namespace)
         .bind(session_id)
         .fetch_optional(&self.pool)
-        .await?)
+        .await
+        .step("heartbeat: read the session's role")?)
     }
 
     /// Term, master and live registrations of a project (master first, then by succession),
     /// in one read when the project has live registrations.
     pub async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
         #[derive(sqlx::FromRow)]
-        struct Live {
+        struct LiveWithTerm {
             #[sqlx(flatten)]
             row: Registration,
             term: i64,
@@ -172,15 +184,21 @@ impl ElectionStore {
              WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL
              ORDER BY is_master DESC, (agent_surface = 'claude_desktop') DESC, registered_at, id"
         );
-        let rows: Vec<Live> =
-            sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(namespace).bind(project_id).fetch_all(&self.pool).await?;
+        let rows: Vec<LiveWithTerm> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(namespace)
+            .bind(project_id)
+            .fetch_all(&self.pool)
+            .await
+            .step("read the project's live registrations")?;
         let term = match rows.first() {
             Some(r) => r.term,
+            // No live registration: the project may still have a history (its term).
             None => sqlx::query_scalar("SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2")
                 .bind(namespace)
                 .bind(project_id)
                 .fetch_optional(&self.pool)
-                .await?
+                .await
+                .step("read the project's term")?
                 .unwrap_or(0),
         };
         let live: Vec<Registration> = rows.into_iter().map(|r| r.row).collect();
@@ -205,213 +223,154 @@ impl ElectionStore {
             .bind(project_id)
             .bind(since)
             .fetch_all(&self.pool)
-            .await?)
+            .await
+            .step("read the project's stale registrations")?)
     }
 
-    /// Registers (rules 1-4, 6) and, when the session is live on another project, first
-    /// leaves that one (rule 7: TXN1 release + nudge, TXN2 election). Idempotent: a known
-    /// id returns its row as it stands. Callers that usually find the row already (a
-    /// periodic reconcile) should `get` it first, which takes no lock.
-    pub async fn register(&self, new: &NewRegistration) -> Result<(RegisterOutcome, BTreeSet<Touched>), ElectionError> {
-        let mut touched = BTreeSet::new();
+    /// Registers (SPEC §4 rules 1-4 and 6) and, when the session is live on another
+    /// project, first leaves that one (rule 7). Idempotent: a known id returns its row as
+    /// it stands. Callers that usually find the row already (a periodic reconcile) should
+    /// `get` it first, which takes no lock.
+    pub async fn register(&self, new: &NewRegistration) -> Result<RegisterOutcome, ElectionError> {
         for attempt in 1..=MAX_ATTEMPTS {
-            match self.register_once(new).await {
-                Ok(Attempt::Done(row, t)) => {
-                    touched.extend(t);
-                    return Ok((RegisterOutcome::Registered(*row), touched));
-                }
+            match self.elect_newcomer(new).await {
+                Ok(Attempt::Done(row)) => return Ok(RegisterOutcome::Registered(*row)),
                 // Inserted before (or by a concurrent caller: API and reconciler race).
-                Ok(Attempt::Exists) => {
+                Ok(Attempt::IdKnown) => {
                     if let Some(existing) = self.get(new.id).await? {
-                        return Ok((RegisterOutcome::Registered(existing), touched));
+                        return Ok(RegisterOutcome::Registered(existing));
                     }
                 }
                 Ok(Attempt::SessionLive) => match self.live_by_session(&new.namespace, &new.session_id).await? {
                     // Rule 6 under another resource: that one stands.
                     Some(existing) if existing.project_id == new.project_id => {
-                        return Ok((RegisterOutcome::DuplicateSession { existing }, touched));
+                        return Ok(RegisterOutcome::DuplicateSession { existing });
                     }
-                    // TXN1 (D5): the session is live on another project; leave it, then elect.
+                    // Rule 7: the session is live on another project; leave it, then elect.
                     Some(other) => match self.release_once(other.id, ReleaseReason::ContextSwitch).await {
-                        Ok(t) => touched.extend(t),
-                        Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => continue,
+                        Ok(_) => {}
+                        Err(e) if e.is_race() => continue,
                         Err(e) => return Err(e),
                     },
                     // Released in the meantime: try again.
                     None => continue,
                 },
-                Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => {
-                    debug!(attempt, error = %e, "lost a registration race; retrying")
-                }
+                Err(e) if e.is_race() => debug!(attempt, error = %e, "lost a registration race; retrying"),
                 Err(e) => return Err(e),
             }
         }
-        Err(ElectionError::Contended(MAX_ATTEMPTS))
+        Err(ElectionError::Contended("register"))
     }
 
-    /// TXN2: one election on the new project. The common case, a peer joining a project
-    /// that has a master, is decided on the master alone (`rules` proves that enough),
-    /// read by primary keys (the project row names its master): lock, one read, insert,
-    /// commit. Only when the decision changes the master does it read the whole project,
-    /// because then every registration's status changes. Whether the id is known or the
-    /// session is live elsewhere, the insert learns from the unique indexes.
-    async fn register_once(&self, new: &NewRegistration) -> Result<Attempt, ElectionError> {
-        let mut tx = self.pool.begin().await?;
+    /// The election on the newcomer's project: lock, plan, insert, write, commit.
+    async fn elect_newcomer(&self, new: &NewRegistration) -> Result<Attempt, ElectionError> {
+        let mut tx = self.pool.begin().await.step("register: begin")?;
         lock_project(&mut tx, &new.namespace, &new.project_id).await?;
-        let head: Option<ProjectHead> = sqlx::query_as(
-            "SELECT p.term, clock_timestamp() AS now,
-                    r.id, r.name, r.agent_surface, r.registered_at, r.is_master
-             FROM controller_projects p
-             LEFT JOIN controller_registrations r ON r.id = p.master_id AND r.is_master AND r.released_at IS NULL
-             WHERE p.namespace = $1 AND p.project_id = $2",
-        )
-        .bind(&new.namespace)
-        .bind(&new.project_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        // Registration times follow the order in which the lock was granted (`now` is read
-        // after it).
-        let elect = |term: i64, now: DateTime<Utc>, rows: &[Row]| {
-            let (state, names) = project_state(term, rows);
-            let candidate = Candidate { id: new.id, surface: new.surface, registered_at: now, is_master: false };
-            let decision = decide(&state, &Event::Register(candidate));
-            (state, names, decision, now)
-        };
-        let fast = head
-            .and_then(|head| Some(elect(head.term, head.now, &[head.master.into_row()?])))
-            .filter(|(_, _, decision, _)| decision.master_change.is_none());
-        let (state, mut names, decision, now) = match fast {
-            Some(decided) => decided,
-            // A new master (or no project row yet): read the whole project (its term,
-            // creating its row on first use, and every live registration, whose
-            // status.master changes).
-            None => {
-                let (term, now) = project_row(&mut tx, &new.namespace, &new.project_id).await?;
-                elect(term, now, &read_rows(&mut tx, &new.namespace, &new.project_id).await?)
-            }
-        };
-        names.insert(new.id, new.name.clone());
-        let inserted = sqlx::query(
-            "INSERT INTO controller_registrations
-                 (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
-        )
-        .bind(new.id)
-        .bind(&new.namespace)
-        .bind(&new.name)
-        .bind(&new.project_id)
-        .bind(&new.session_id)
-        .bind(new.surface.as_str())
-        .bind(now)
-        .execute(&mut *tx)
-        .await;
-        if let Err(sqlx::Error::Database(e)) = &inserted {
-            match e.constraint() {
-                Some(ID_INDEX) => return Ok(Attempt::Exists),
-                Some(SESSION_INDEX) => return Ok(Attempt::SessionLive),
-                _ => {}
-            }
+        let plan = plan_registration(&mut tx, new).await?;
+        match insert_registration(&mut tx, new, plan.now).await {
+            Ok(()) => {}
+            Err(e) if e.constraint() == Some(ID_INDEX) => return Ok(Attempt::IdKnown),
+            Err(e) if e.constraint() == Some(SESSION_INDEX) => return Ok(Attempt::SessionLive),
+            Err(e) => return Err(e.into()),
         }
-        inserted?;
         // The newcomer's own status follows from its own reconcile (its creation is a
         // watch event), so only the others are announced.
-        let touched = apply(&mut tx, &new.namespace, &new.project_id, &state, &decision, &names, Some(new.id)).await?;
-        tx.commit().await?;
-        let is_master = decision.next.master().is_some_and(|m| m.id == new.id);
-        let row = Registration {
-            id: new.id,
-            namespace: new.namespace.clone(),
-            name: new.name.clone(),
-            project_id: new.project_id.clone(),
-            session_id: new.session_id.clone(),
-            agent_surface: new.surface.as_str().to_string(),
-            is_master,
-            master_term: is_master.then_some(decision.next.term),
-            registered_at: now,
-            last_heartbeat: now,
-            released_at: None,
-            release_reason: None,
-            preempted: false,
-            preempted_by: None,
-        };
-        let mut touched = touched;
-        touched.insert(Touched { namespace: new.namespace.clone(), name: new.name.clone() });
-        Ok(Attempt::Done(Box::new(row), touched))
+        write_decision(
+            &mut tx,
+            &new.namespace,
+            &new.project_id,
+            &plan.before,
+            &plan.decision,
+            &plan.names,
+            Some(new.id),
+        )
+        .await?;
+        tx.commit().await.step("register: commit")?;
+        Ok(Attempt::Done(Box::new(plan.newcomer_row(new))))
     }
 
     /// Releases a registration (wrap, context switch) and promotes a successor if it was
-    /// master. Releasing an unknown or already released registration changes nothing.
-    pub async fn release(&self, id: Uuid, reason: ReleaseReason) -> Result<BTreeSet<Touched>, ElectionError> {
+    /// master. Returns whether it was live; releasing an unknown or already released
+    /// registration changes nothing.
+    pub async fn release(&self, id: Uuid, reason: ReleaseReason) -> Result<bool, ElectionError> {
         for attempt in 1..=MAX_ATTEMPTS {
             match self.release_once(id, reason).await {
-                Err(ElectionError::Database(e)) if ElectionError::is_race(&e) => {
-                    debug!(attempt, error = %e, "lost a release race; retrying")
-                }
+                Err(e) if e.is_race() => debug!(attempt, error = %e, "lost a release race; retrying"),
                 other => return other,
             }
         }
-        Err(ElectionError::Contended(MAX_ATTEMPTS))
+        Err(ElectionError::Contended("release"))
     }
 
-    async fn release_once(&self, id: Uuid, reason: ReleaseReason) -> Result<BTreeSet<Touched>, ElectionError> {
-        let Some(row) = self.get(id).await? else {
-            return Ok(BTreeSet::new());
+    async fn release_once(&self, id: Uuid, reason: ReleaseReason) -> Result<bool, ElectionError> {
+        let Some(row) = self.get(id).await?.filter(Registration::is_live) else {
+            return Ok(false);
         };
-        if !row.is_live() {
-            return Ok(BTreeSet::new());
-        }
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin().await.step("release: begin")?;
         let (state, names) = lock_and_read(&mut tx, &row.namespace, &row.project_id).await?;
         let decision = decide(&state, &Event::Release { ids: vec![id], reason });
-        let touched = apply(&mut tx, &row.namespace, &row.project_id, &state, &decision, &names, None).await?;
+        write_decision(&mut tx, &row.namespace, &row.project_id, &state, &decision, &names, None).await?;
         if reason == ReleaseReason::ContextSwitch && !decision.transitions.is_empty() {
             write_wrap_nudge(&mut tx, &row).await?;
         }
-        tx.commit().await?;
-        Ok(touched)
+        tx.commit().await.step("release: commit")?;
+        Ok(!decision.transitions.is_empty())
     }
 
     /// Releases live registrations whose heartbeat is older than `stale_minutes`
     /// (`stale_heartbeat_incident`), promoting successors. One replica at a time.
-    pub async fn sweep(&self, stale_minutes: u32) -> Result<BTreeSet<Touched>, ElectionError> {
-        let mut touched = BTreeSet::new();
-        let mut lock_conn = self.pool.acquire().await?;
+    /// Returns how many it released.
+    pub async fn sweep(&self, stale_minutes: u32) -> Result<usize, ElectionError> {
+        let mut lock_conn = self.pool.acquire().await.step("sweep: acquire a connection")?;
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(SWEEP_LOCK_KEY)
             .fetch_one(&mut *lock_conn)
-            .await?;
+            .await
+            .step("sweep: take the sweep lock")?;
         if !locked {
             debug!("another replica is sweeping");
-            return Ok(touched);
+            return Ok(0);
         }
-        let result = self.sweep_locked(stale_minutes, &mut touched).await;
-        let _ = sqlx::query("SELECT pg_advisory_unlock($1)").bind(SWEEP_LOCK_KEY).execute(&mut *lock_conn).await;
-        result.map(|()| touched)
+        let swept = self.sweep_locked(stale_minutes).await;
+        // A session lock dies with its connection: if the unlock fails, the connection
+        // is broken and the lock went with it.
+        if let Err(error) =
+            sqlx::query("SELECT pg_advisory_unlock($1)").bind(SWEEP_LOCK_KEY).execute(&mut *lock_conn).await
+        {
+            warn!(%error, "sweep: could not release the sweep lock (it ends with the connection)");
+        }
+        swept
     }
 
-    async fn sweep_locked(&self, stale_minutes: u32, touched: &mut BTreeSet<Touched>) -> Result<(), ElectionError> {
+    async fn sweep_locked(&self, stale_minutes: u32) -> Result<usize, ElectionError> {
         let projects: Vec<(String, String)> = sqlx::query_as(
             "SELECT DISTINCT namespace, project_id FROM controller_registrations
              WHERE released_at IS NULL AND last_heartbeat < now() - make_interval(mins => $1)",
         )
         .bind(stale_minutes as i32)
         .fetch_all(&self.pool)
-        .await?;
+        .await
+        .step("sweep: find projects with stale registrations")?;
+        let mut released = 0;
         for (namespace, project_id) in projects {
-            for attempt in 1..=MAX_ATTEMPTS {
-                match self.sweep_project(&namespace, &project_id, stale_minutes).await {
-                    Ok(t) => {
-                        touched.extend(t);
-                        break;
-                    }
-                    Err(ElectionError::Database(e)) if ElectionError::is_race(&e) && attempt < MAX_ATTEMPTS => {
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                }
+            released += self.sweep_project_retrying(&namespace, &project_id, stale_minutes).await?;
+        }
+        Ok(released)
+    }
+
+    async fn sweep_project_retrying(
+        &self,
+        namespace: &str,
+        project_id: &str,
+        stale_minutes: u32,
+    ) -> Result<usize, ElectionError> {
+        for attempt in 1..=MAX_ATTEMPTS {
+            match self.sweep_project(namespace, project_id, stale_minutes).await {
+                Err(e) if e.is_race() => debug!(attempt, error = %e, "lost a sweep race; retrying"),
+                other => return other,
             }
         }
-        Ok(())
+        Err(ElectionError::Contended("sweep"))
     }
 
     async fn sweep_project(
@@ -419,10 +378,10 @@ impl ElectionStore {
         namespace: &str,
         project_id: &str,
         stale_minutes: u32,
-    ) -> Result<BTreeSet<Touched>, ElectionError> {
-        let mut tx = self.pool.begin().await?;
+    ) -> Result<usize, ElectionError> {
+        let mut tx = self.pool.begin().await.step("sweep: begin")?;
         let (state, names) = lock_and_read(&mut tx, namespace, project_id).await?;
-        // Re-read under the lock: a heartbeat may have arrived since the scan.
+        // Read again under the lock: a heartbeat may have arrived since the scan.
         let stale: Vec<Uuid> = sqlx::query_scalar(
             "SELECT id FROM controller_registrations
              WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL
@@ -432,18 +391,21 @@ impl ElectionStore {
         .bind(project_id)
         .bind(stale_minutes as i32)
         .fetch_all(&mut *tx)
-        .await?;
+        .await
+        .step("sweep: read stale registrations under the project lock")?;
         if stale.is_empty() {
-            return Ok(BTreeSet::new());
+            return Ok(0);
         }
+        let released = stale.len();
         let decision = decide(&state, &Event::Release { ids: stale, reason: ReleaseReason::StaleHeartbeatIncident });
-        let touched = apply(&mut tx, namespace, project_id, &state, &decision, &names, None).await?;
-        tx.commit().await?;
-        Ok(touched)
+        write_decision(&mut tx, namespace, project_id, &state, &decision, &names, None).await?;
+        tx.commit().await.step("sweep: commit")?;
+        Ok(released)
     }
 
-    /// Refreshes `last_heartbeat` of the live registrations of these sessions in one
-    /// statement (the heartbeat coalescer calls it with a whole window's sessions).
+    /// Refreshes `last_heartbeat` of the live registrations of these (namespace,
+    /// session_id) pairs in one statement (the heartbeat coalescer calls it with a whole
+    /// window's sessions). Returns how many registrations it refreshed.
     pub async fn touch(&self, sessions: &[(String, String)]) -> Result<u64, ElectionError> {
         if sessions.is_empty() {
             return Ok(0);
@@ -457,7 +419,8 @@ impl ElectionStore {
         .bind(&namespaces)
         .bind(&ids)
         .execute(&self.pool)
-        .await?;
+        .await
+        .step("heartbeat: refresh last_heartbeat")?;
         Ok(done.rows_affected())
     }
 }
@@ -465,16 +428,13 @@ impl ElectionStore {
 /// Serialises every election event of one project (all writers take it): a
 /// transaction-scoped advisory lock, so no tuple is written to take it and it is released
 /// by commit or rollback, whatever happens to the connection.
-async fn lock_project(
-    tx: &mut Transaction<'_, Postgres>,
-    namespace: &str,
-    project_id: &str,
-) -> Result<(), ElectionError> {
+async fn lock_project(tx: &mut Transaction<'_, Postgres>, namespace: &str, project_id: &str) -> Result<(), QueryError> {
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2, 0))")
         .bind(namespace)
         .bind(project_id)
         .execute(&mut **tx)
-        .await?;
+        .await
+        .step("lock the project")?;
     Ok(())
 }
 
@@ -484,68 +444,44 @@ async fn project_row(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
-) -> Result<(i64, DateTime<Utc>), ElectionError> {
+) -> Result<(i64, DateTime<Utc>), QueryError> {
     const READ: &str =
         "SELECT term, clock_timestamp() FROM controller_projects WHERE namespace = $1 AND project_id = $2";
-    if let Some(found) = sqlx::query_as(READ).bind(namespace).bind(project_id).fetch_optional(&mut **tx).await? {
+    let found = sqlx::query_as(READ)
+        .bind(namespace)
+        .bind(project_id)
+        .fetch_optional(&mut **tx)
+        .await
+        .step("read the project's term")?;
+    if let Some(found) = found {
         return Ok(found);
     }
     sqlx::query("INSERT INTO controller_projects (namespace, project_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
         .bind(namespace)
         .bind(project_id)
         .execute(&mut **tx)
-        .await?;
-    Ok(sqlx::query_as(READ).bind(namespace).bind(project_id).fetch_one(&mut **tx).await?)
+        .await
+        .step("create the project")?;
+    sqlx::query_as(READ).bind(namespace).bind(project_id).fetch_one(&mut **tx).await.step("read the new project's term")
 }
 
 /// A live registration of the project, as the election reads it.
 #[derive(sqlx::FromRow)]
-struct Row {
+struct CandidateRow {
     id: Uuid,
     name: String,
-    agent_surface: String,
+    agent_surface: AgentSurface,
     registered_at: DateTime<Utc>,
     is_master: bool,
 }
 
-/// What a registration reads in one statement: the project's term, the time the lock
-/// was held, and its live master if it has one (all columns NULL otherwise).
-#[derive(sqlx::FromRow)]
-struct ProjectHead {
-    term: i64,
-    now: DateTime<Utc>,
-    #[sqlx(flatten)]
-    master: MaybeRow,
-}
-
-#[derive(sqlx::FromRow)]
-struct MaybeRow {
-    id: Option<Uuid>,
-    name: Option<String>,
-    agent_surface: Option<String>,
-    registered_at: Option<DateTime<Utc>>,
-    is_master: Option<bool>,
-}
-
-impl MaybeRow {
-    fn into_row(self) -> Option<Row> {
-        Some(Row {
-            id: self.id?,
-            name: self.name?,
-            agent_surface: self.agent_surface?,
-            registered_at: self.registered_at?,
-            is_master: self.is_master?,
-        })
-    }
-}
-
 /// The project's live rows.
-async fn read_rows(
+async fn read_candidates(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
-) -> Result<Vec<Row>, ElectionError> {
-    Ok(sqlx::query_as(
+) -> Result<Vec<CandidateRow>, QueryError> {
+    sqlx::query_as(
         "SELECT id, name, agent_surface, registered_at, is_master
          FROM controller_registrations
          WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL",
@@ -553,16 +489,61 @@ async fn read_rows(
     .bind(namespace)
     .bind(project_id)
     .fetch_all(&mut **tx)
-    .await?)
+    .await
+    .step("read the project's candidates")
 }
 
-fn project_state(term: i64, rows: &[Row]) -> (ProjectState, HashMap<Uuid, String>) {
+/// What a registration reads first, in one statement by primary keys (the project row
+/// names its master): the term, the time the lock was granted, and the live master if
+/// there is one (its columns are all NULL otherwise).
+#[derive(sqlx::FromRow)]
+struct ProjectHead {
+    term: i64,
+    now: DateTime<Utc>,
+    master_id: Option<Uuid>,
+    master_name: Option<String>,
+    master_surface: Option<AgentSurface>,
+    master_registered_at: Option<DateTime<Utc>>,
+}
+
+impl ProjectHead {
+    fn master(&self) -> Option<CandidateRow> {
+        Some(CandidateRow {
+            id: self.master_id?,
+            name: self.master_name.clone()?,
+            agent_surface: self.master_surface?,
+            registered_at: self.master_registered_at?,
+            is_master: true,
+        })
+    }
+}
+
+async fn read_head(
+    tx: &mut Transaction<'_, Postgres>,
+    namespace: &str,
+    project_id: &str,
+) -> Result<Option<ProjectHead>, QueryError> {
+    sqlx::query_as(
+        "SELECT p.term, clock_timestamp() AS now, r.id AS master_id, r.name AS master_name,
+                r.agent_surface AS master_surface, r.registered_at AS master_registered_at
+         FROM controller_projects p
+         LEFT JOIN controller_registrations r ON r.id = p.master_id AND r.is_master AND r.released_at IS NULL
+         WHERE p.namespace = $1 AND p.project_id = $2",
+    )
+    .bind(namespace)
+    .bind(project_id)
+    .fetch_optional(&mut **tx)
+    .await
+    .step("register: read the project and its master")
+}
+
+fn project_state(term: i64, rows: &[CandidateRow]) -> (ProjectState, HashMap<Uuid, String>) {
     let names = rows.iter().map(|r| (r.id, r.name.clone())).collect();
     let live = rows
         .iter()
         .map(|r| Candidate {
             id: r.id,
-            surface: r.agent_surface.parse().unwrap_or(AgentSurface::Other),
+            surface: r.agent_surface,
             registered_at: r.registered_at,
             is_master: r.is_master,
         })
@@ -575,111 +556,204 @@ async fn lock_and_read(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
-) -> Result<(ProjectState, HashMap<Uuid, String>), ElectionError> {
+) -> Result<(ProjectState, HashMap<Uuid, String>), QueryError> {
     lock_project(tx, namespace, project_id).await?;
     let (term, _) = project_row(tx, namespace, project_id).await?;
-    let rows = read_rows(tx, namespace, project_id).await?;
+    let rows = read_candidates(tx, namespace, project_id).await?;
     Ok(project_state(term, &rows))
 }
 
-/// Writes a decision: role changes in order (demotions and releases before promotions),
-/// the project's term and master, and the election history. Returns the resources whose
-/// status changed: on a change of master, every registration of the project (their
-/// `status.master` changed); otherwise only those whose role changed.
-async fn apply(
+/// The election of one newcomer, decided before anything is written.
+struct RegistrationPlan {
+    before: ProjectState,
+    names: HashMap<Uuid, String>,
+    decision: Decision,
+    /// Read after the lock was granted: the newcomer's registration time.
+    now: DateTime<Utc>,
+}
+
+impl RegistrationPlan {
+    fn new(term: i64, now: DateTime<Utc>, rows: &[CandidateRow], new: &NewRegistration) -> Self {
+        let (before, mut names) = project_state(term, rows);
+        names.insert(new.id, new.name.clone());
+        let candidate = Candidate { id: new.id, surface: new.surface, registered_at: now, is_master: false };
+        let decision = decide(&before, &Event::Register(candidate));
+        Self { before, names, decision, now }
+    }
+
+    /// The newcomer's row as the decision wrote it.
+    fn newcomer_row(&self, new: &NewRegistration) -> Registration {
+        let is_master = self.decision.next.master().is_some_and(|m| m.id == new.id);
+        Registration {
+            id: new.id,
+            namespace: new.namespace.clone(),
+            name: new.name.clone(),
+            project_id: new.project_id.clone(),
+            session_id: new.session_id.clone(),
+            agent_surface: new.surface,
+            is_master,
+            master_term: is_master.then_some(self.decision.next.term),
+            registered_at: self.now,
+            last_heartbeat: self.now,
+            released_at: None,
+            release_reason: None,
+            preempted: false,
+            preempted_by: None,
+        }
+    }
+}
+
+/// Decides the newcomer's election. The common case, a peer joining a project that has a
+/// master, is decided on the master alone (`rules` proves that this is enough) from one
+/// read by primary keys. Only when the decision changes the master is the whole project
+/// read, because then every registration's status changes.
+async fn plan_registration(
+    tx: &mut Transaction<'_, Postgres>,
+    new: &NewRegistration,
+) -> Result<RegistrationPlan, QueryError> {
+    if let Some(head) = read_head(tx, &new.namespace, &new.project_id).await?
+        && let Some(master) = head.master()
+    {
+        let plan = RegistrationPlan::new(head.term, head.now, &[master], new);
+        if plan.decision.master_change.is_none() {
+            return Ok(plan);
+        }
+    }
+    let (term, now) = project_row(tx, &new.namespace, &new.project_id).await?;
+    let rows = read_candidates(tx, &new.namespace, &new.project_id).await?;
+    Ok(RegistrationPlan::new(term, now, &rows, new))
+}
+
+/// The registration row itself; a violated unique index tells the caller that the id is
+/// known or the session is live (see `Attempt`).
+async fn insert_registration(
+    tx: &mut Transaction<'_, Postgres>,
+    new: &NewRegistration,
+    now: DateTime<Utc>,
+) -> Result<(), QueryError> {
+    sqlx::query(
+        "INSERT INTO controller_registrations
+             (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+    )
+    .bind(new.id)
+    .bind(&new.namespace)
+    .bind(&new.name)
+    .bind(&new.project_id)
+    .bind(&new.session_id)
+    .bind(new.surface)
+    .bind(now)
+    .execute(&mut **tx)
+    .await
+    .step("register: insert registration")?;
+    Ok(())
+}
+
+/// Writes a decision: the role changes, the change of master (if any), and the refresh
+/// signal for every resource whose status changed (except `announced`, which will
+/// refresh anyway).
+async fn write_decision(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
     before: &ProjectState,
     decision: &Decision,
     names: &HashMap<Uuid, String>,
-    already_notified: Option<Uuid>,
-) -> Result<BTreeSet<Touched>, ElectionError> {
-    let term = decision.next.term;
+    announced: Option<Uuid>,
+) -> Result<(), QueryError> {
+    write_transitions(tx, decision).await?;
+    if let Some(change) = &decision.master_change {
+        record_master_change(tx, namespace, project_id, decision.next.term, change).await?;
+    }
+    let changed: Vec<NamespacedName> = status_changed(before, decision)
+        .into_iter()
+        .filter(|id| Some(*id) != announced)
+        .filter_map(|id| names.get(&id))
+        .map(|name| NamespacedName::new(namespace, name.as_str()))
+        .collect();
+    refresh::announce(tx, refresh::Kind::Registration, &changed).await
+}
+
+/// Role changes in the decision's order (demotions and releases before promotions, so the
+/// single-master index is never violated).
+async fn write_transitions(tx: &mut Transaction<'_, Postgres>, decision: &Decision) -> Result<(), QueryError> {
     for (id, transition) in &decision.transitions {
-        match transition {
-            Transition::Released { reason, .. } => {
-                sqlx::query(
-                    "UPDATE controller_registrations SET is_master = FALSE, released_at = now(), release_reason = $2 WHERE id = $1",
-                )
-                .bind(id)
-                .bind(release_reason_str(*reason))
-                .execute(&mut **tx)
-                .await?;
-            }
-            Transition::Preempted { by } => {
-                sqlx::query(
-                    "UPDATE controller_registrations
-                     SET is_master = FALSE, preempted = TRUE, preempted_by = $2, preempted_at = now() WHERE id = $1",
-                )
-                .bind(id)
-                .bind(by)
-                .execute(&mut **tx)
-                .await?;
-            }
+        let update = match transition {
+            Transition::Released { reason, .. } => sqlx::query(
+                "UPDATE controller_registrations SET is_master = FALSE, released_at = now(), release_reason = $2 WHERE id = $1",
+            )
+            .bind(id)
+            .bind(reason),
+            Transition::Preempted { by } => sqlx::query(
+                "UPDATE controller_registrations
+                 SET is_master = FALSE, preempted = TRUE, preempted_by = $2, preempted_at = now() WHERE id = $1",
+            )
+            .bind(id)
+            .bind(by),
             Transition::Promoted | Transition::JoinedAsMaster => {
                 sqlx::query("UPDATE controller_registrations SET is_master = TRUE, master_term = $2 WHERE id = $1")
                     .bind(id)
-                    .bind(term)
-                    .execute(&mut **tx)
-                    .await?;
+                    .bind(decision.next.term)
             }
-            Transition::JoinedAsPeer => {}
-        }
+            Transition::JoinedAsPeer => continue,
+        };
+        update.execute(&mut **tx).await.step("write a change of role")?;
     }
-    let mut affected: BTreeSet<Uuid> = decision.transitions.iter().map(|(id, _)| *id).collect();
-    if let Some(change) = &decision.master_change {
-        sqlx::query(
-            "UPDATE controller_projects SET term = $3, master_id = $4, updated_at = now()
-             WHERE namespace = $1 AND project_id = $2",
-        )
-        .bind(namespace)
-        .bind(project_id)
-        .bind(term)
-        .bind(change.master)
-        .execute(&mut **tx)
-        .await?;
-        sqlx::query(
-            "INSERT INTO controller_election_events (namespace, project_id, term, master_id, previous_master_id, cause)
-             VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(namespace)
-        .bind(project_id)
-        .bind(term)
-        .bind(change.master)
-        .bind(change.previous)
-        .bind(change.cause.as_str())
-        .execute(&mut **tx)
-        .await?;
-        affected.extend(before.live.iter().map(|c| c.id));
-        affected.extend(decision.next.live.iter().map(|c| c.id));
-    }
-    let touched: BTreeSet<Touched> = affected
-        .iter()
-        .filter_map(|id| names.get(id))
-        .map(|name| Touched { namespace: namespace.to_string(), name: name.clone() })
-        .collect();
-    // Delivered at commit to the leader replica, whichever replica made the change.
-    let payloads: Vec<String> = affected
-        .iter()
-        .filter(|id| Some(**id) != already_notified)
-        .filter_map(|id| names.get(id))
-        .map(|name| format!("{namespace}/{name}"))
-        .collect();
-    if !payloads.is_empty() {
-        sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
-            .bind(crate::reconcilers::NOTIFY_REGISTRATIONS)
-            .bind(&payloads)
-            .execute(&mut **tx)
-            .await?;
-    }
-    Ok(touched)
+    Ok(())
 }
 
-/// D5: context switch tells the old session to wrap. A missing `nudges` table must not
-/// undo the release: the insert runs in a savepoint and its failure is only logged.
-async fn write_wrap_nudge(tx: &mut Transaction<'_, Postgres>, row: &Registration) -> Result<(), ElectionError> {
-    sqlx::query("SAVEPOINT wrap_nudge").execute(&mut **tx).await?;
+/// The project's new term and master, and one row of election history.
+async fn record_master_change(
+    tx: &mut Transaction<'_, Postgres>,
+    namespace: &str,
+    project_id: &str,
+    term: i64,
+    change: &MasterChange,
+) -> Result<(), QueryError> {
+    sqlx::query(
+        "UPDATE controller_projects SET term = $3, master_id = $4, updated_at = now()
+         WHERE namespace = $1 AND project_id = $2",
+    )
+    .bind(namespace)
+    .bind(project_id)
+    .bind(term)
+    .bind(change.master)
+    .execute(&mut **tx)
+    .await
+    .step("record the project's master")?;
+    sqlx::query(
+        "INSERT INTO controller_election_events (namespace, project_id, term, master_id, previous_master_id, cause)
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(namespace)
+    .bind(project_id)
+    .bind(term)
+    .bind(change.master)
+    .bind(change.previous)
+    .bind(change.cause)
+    .execute(&mut **tx)
+    .await
+    .step("append to the election history")?;
+    Ok(())
+}
+
+/// The registrations whose status a decision changes: on a change of master, every
+/// registration of the project (their `status.master` changed); otherwise only those
+/// whose role changed.
+fn status_changed(before: &ProjectState, decision: &Decision) -> BTreeSet<Uuid> {
+    let mut changed: BTreeSet<Uuid> = decision.transitions.iter().map(|(id, _)| *id).collect();
+    if decision.master_change.is_some() {
+        changed.extend(before.live.iter().map(|c| c.id));
+        changed.extend(decision.next.live.iter().map(|c| c.id));
+    }
+    changed
+}
+
+/// A context switch tells the old session to wrap (SPEC §4 rule 7). A missing `nudges`
+/// table must not undo the release: the insert runs in a savepoint and its failure is
+/// only logged.
+async fn write_wrap_nudge(tx: &mut Transaction<'_, Postgres>, row: &Registration) -> Result<(), QueryError> {
+    sqlx::query("SAVEPOINT wrap_nudge").execute(&mut **tx).await.step("context switch: savepoint")?;
     let insert = sqlx::query(
         "INSERT INTO nudges (namespace, session_id, project_id, kind, payload)
          VALUES ($1, $2, $3, 'wrap_session', jsonb_build_object('reason', 'context_switch', 'registration', $4::text))",
@@ -692,21 +766,19 @@ async fn write_wrap_nudge(tx: &mut Transaction<'_, Postgres>, row: &Registration
     .await;
     match insert {
         Ok(_) => {
-            sqlx::query("RELEASE SAVEPOINT wrap_nudge").execute(&mut **tx).await?;
+            sqlx::query("RELEASE SAVEPOINT wrap_nudge")
+                .execute(&mut **tx)
+                .await
+                .step("context switch: release savepoint")?;
         }
-        Err(e) => {
-            warn!(namespace = %row.namespace, project = %row.project_id, error = %e,
+        Err(error) => {
+            warn!(namespace = %row.namespace, project = %row.project_id, %error,
                   "could not write the wrap_session nudge; the context switch release stands");
-            sqlx::query("ROLLBACK TO SAVEPOINT wrap_nudge").execute(&mut **tx).await?;
+            sqlx::query("ROLLBACK TO SAVEPOINT wrap_nudge")
+                .execute(&mut **tx)
+                .await
+                .step("context switch: roll back to savepoint")?;
         }
     }
     Ok(())
-}
-
-pub fn release_reason_str(reason: ReleaseReason) -> &'static str {
-    match reason {
-        ReleaseReason::Wrapped => "wrapped",
-        ReleaseReason::ContextSwitch => "context_switch",
-        ReleaseReason::StaleHeartbeatIncident => "stale_heartbeat_incident",
-    }
 }

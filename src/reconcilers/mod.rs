@@ -17,11 +17,12 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::crd::{ControllerRegistration, RunSession};
-use crate::election::{ElectionError, ElectionStore, Touched};
-use crate::run_registry::RuntimeError;
+use crate::election::{ElectionError, ElectionStore};
+use crate::refresh::{self, NamespacedName, Receivers};
+use crate::run_registry::RegistryError;
 use crate::run_registry::service::RuntimeService;
 use crate::telemetry::Metrics;
-pub use crate::triggers::{Receivers, Triggers};
+use crate::time::to_k8s;
 
 /// Field manager of every server-side apply this operator makes.
 pub const FIELD_MANAGER: &str = "prism-operator";
@@ -31,7 +32,7 @@ pub enum ControllerError {
     #[error(transparent)]
     Election(#[from] ElectionError),
     #[error(transparent)]
-    Runtime(RuntimeError),
+    Registry(#[from] RegistryError),
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error(transparent)]
@@ -47,7 +48,6 @@ pub struct Context {
     pub election: ElectionStore,
     pub runtime: RuntimeService,
     pub recorder: Recorder,
-    pub triggers: Triggers,
     pub stale_after: chrono::Duration,
     pub metrics: Arc<Metrics>,
     /// Reconciles in flight at once, per controller.
@@ -105,13 +105,6 @@ pub fn recorder(client: Client) -> Recorder {
     Recorder::new(client, Reporter { controller: FIELD_MANAGER.into(), instance })
 }
 
-/// A database time as a Kubernetes `Time` (microsecond precision, as Postgres keeps it).
-pub fn to_time(t: chrono::DateTime<chrono::Utc>) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Time {
-    let ts = k8s_openapi::jiff::Timestamp::from_microsecond(t.timestamp_micros())
-        .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
-    k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(ts)
-}
-
 /// A status condition that keeps its lastTransitionTime while its status does not change.
 pub fn condition(
     previous: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
@@ -127,7 +120,7 @@ pub fn condition(
         .iter()
         .find(|c| c.type_ == type_ && c.status == status)
         .map(|c| c.last_transition_time.clone())
-        .unwrap_or_else(|| to_time(now));
+        .unwrap_or_else(|| to_k8s(now));
     k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
         type_: type_.into(),
         status,
@@ -160,7 +153,8 @@ where
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) })
 }
 
-async fn drain<K: Resource, E: std::fmt::Display>(
+/// Logs how each reconcile ended (errors are logged with their object by `error_policy`).
+async fn log_outcome<K: Resource, E: std::fmt::Display>(
     res: Result<(ObjectRef<K>, Action), kube::runtime::controller::Error<E, watcher::Error>>,
 ) where
     K::DynamicType: std::fmt::Debug,
@@ -171,10 +165,11 @@ async fn drain<K: Resource, E: std::fmt::Display>(
     }
 }
 
-/// Everything that runs only on the leader: both controllers, the stale sweep, the job
-/// reaper and the registry watch. Dropping the future stops all of it.
+/// Everything that runs only on the leader: both controllers (fed by the refresh
+/// signals of every replica), the stale sweep, the job reaper and the registry watch.
+/// Dropping the future stops all of it.
 pub async fn lead(ctx: Arc<Context>, namespace: Option<String>, stale_minutes: u32, sweep_every: Duration) {
-    let receivers = ctx.triggers.open();
+    let (receivers, listen) = refresh::listen(ctx.election.pool().clone());
     ctx.written_registrations.clear();
     ctx.written_runsessions.clear();
     tokio::join!(
@@ -182,49 +177,8 @@ pub async fn lead(ctx: Arc<Context>, namespace: Option<String>, stale_minutes: u
         run_sweep(ctx.clone(), stale_minutes, sweep_every),
         run_reaper(ctx.clone(), Duration::from_secs(2)),
         run_registry_watch(ctx.clone(), Duration::from_secs(2)),
-        run_notify_listener(ctx.clone()),
+        listen,
     );
-}
-
-/// Postgres channels on which any replica announces resources whose status must follow
-/// a commit (its own API calls included), payload `namespace/name`.
-pub const NOTIFY_REGISTRATIONS: &str = "prism_registrations";
-pub const NOTIFY_RUNSESSIONS: &str = "prism_runsessions";
-
-/// Feeds NOTIFYs from every replica into this leader's controllers, so an election
-/// committed by another replica's API call updates every status within a second.
-pub async fn run_notify_listener(ctx: Arc<Context>) {
-    loop {
-        let mut listener = match sqlx::postgres::PgListener::connect_with(ctx.election.pool()).await {
-            Ok(l) => l,
-            Err(e) => {
-                warn!(error = %e, "cannot LISTEN for status triggers; retrying");
-                tokio::time::sleep(Duration::from_secs(2)).await;
-                continue;
-            }
-        };
-        if let Err(e) = listener.listen_all([NOTIFY_REGISTRATIONS, NOTIFY_RUNSESSIONS]).await {
-            warn!(error = %e, "cannot LISTEN for status triggers; retrying");
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            continue;
-        }
-        loop {
-            match listener.recv().await {
-                Ok(n) => {
-                    let Some((namespace, name)) = n.payload().split_once('/') else { continue };
-                    if n.channel() == NOTIFY_REGISTRATIONS {
-                        ctx.triggers.registrations([Touched { namespace: namespace.into(), name: name.into() }]);
-                    } else {
-                        ctx.triggers.runsession(namespace, name);
-                    }
-                }
-                Err(e) => {
-                    warn!(error = %e, "status trigger listener lost its connection; reconnecting");
-                    break;
-                }
-            }
-        }
-    }
 }
 
 /// Runs both controllers until shutdown.
@@ -236,13 +190,13 @@ pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace:
         .reconcile_on(receiver_stream(receivers.registrations))
         .shutdown_on_signal()
         .run(registration::reconcile, error_policy, ctx.clone())
-        .for_each(drain);
+        .for_each(log_outcome);
     let runsessions = controller_for(api_for::<RunSession>(&ctx.client, &namespace))
         .with_config(config)
-        .reconcile_on(receiver_stream(receivers.runsessions))
+        .reconcile_on(receiver_stream(receivers.run_sessions))
         .shutdown_on_signal()
         .run(run_session::reconcile, error_policy, ctx.clone())
-        .for_each(drain);
+        .for_each(log_outcome);
     futures::join!(registrations, runsessions);
 }
 
@@ -282,12 +236,8 @@ pub async fn run_sweep(ctx: Arc<Context>, stale_minutes: u32, interval: Duration
     loop {
         tick.tick().await;
         match ctx.election.sweep(stale_minutes).await {
-            Ok(touched) => {
-                if !touched.is_empty() {
-                    info!(registrations = touched.len(), "stale sweep released registrations");
-                }
-                ctx.triggers.registrations(touched);
-            }
+            Ok(0) => {}
+            Ok(released) => info!(registrations = released, "stale sweep released registrations"),
             Err(e) => warn!(error = %e, "stale sweep failed; next attempt at the next interval"),
         }
     }
@@ -316,7 +266,7 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let up = ctx.runtime.redis.ping().await.is_ok();
+        let up = ctx.runtime.sessions.ping().await.is_ok();
         if up == was_up {
             continue;
         }
@@ -326,13 +276,20 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
         } else {
             warn!("runtime registry (Redis) is unavailable");
         }
-        match ctx.runtime.identities.all_live().await {
-            Ok(all) => {
-                for (namespace, name) in all {
-                    ctx.triggers.runsession(&namespace, &name);
-                }
-            }
-            Err(e) => warn!(error = %e, "cannot list Run identities to refresh their status"),
+        let refreshed = async {
+            let all: Vec<NamespacedName> = ctx
+                .runtime
+                .identities
+                .all_live()
+                .await?
+                .into_iter()
+                .map(|(namespace, name)| NamespacedName::new(namespace, name))
+                .collect();
+            refresh::announce_now(ctx.election.pool(), refresh::Kind::RunSession, &all).await?;
+            Ok::<_, RegistryError>(())
+        };
+        if let Err(error) = refreshed.await {
+            warn!(%error, "cannot refresh the RunSessions' status after the registry changed; their requeue will");
         }
     }
 }
@@ -374,7 +331,7 @@ mod tests {
         finalized.metadata.finalizers = Some(vec!["x".into()]);
         assert_ne!(changes_that_matter(&finalized), base);
         let mut deleting = obj.clone();
-        deleting.metadata.deletion_timestamp = Some(to_time(chrono::Utc::now()));
+        deleting.metadata.deletion_timestamp = Some(to_k8s(chrono::Utc::now()));
         assert_ne!(changes_that_matter(&deleting), base);
         let mut next = obj.clone();
         next.metadata.generation = Some(2);

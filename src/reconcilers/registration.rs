@@ -17,13 +17,14 @@ use serde_json::json;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Context, ControllerError, FIELD_MANAGER, condition, to_time};
+use super::{Context, ControllerError, FIELD_MANAGER, condition};
 use crate::crd::{
     ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, REGISTRATION_FINALIZER as FINALIZER,
     RegistrationRef, ReleaseReason, Role, is_label_value,
 };
 use crate::election::NewRegistration;
 use crate::election::store::{ProjectView, RegisterOutcome, Registration};
+use crate::time::to_k8s;
 
 /// `status.lastHeartbeat` is refreshed at most this often: never a status write per beat.
 pub const HEARTBEAT_STATUS_RESOLUTION: Duration = Duration::from_secs(30);
@@ -121,11 +122,10 @@ async fn apply(
     };
     // Most reconciles find the registration known (a resync, a trigger): one indexed read
     // without the project lock.
-    let (outcome, touched) = match ctx.election.get(id).await? {
-        Some(row) => (RegisterOutcome::Registered(row), Default::default()),
+    let outcome = match ctx.election.get(id).await? {
+        Some(row) => RegisterOutcome::Registered(row),
         None => ctx.election.register(&new).await?,
     };
-    ctx.triggers.registrations(touched.into_iter().filter(|t| t.name != new.name || t.namespace != ns));
 
     let now = Utc::now();
     let previous = ctx.written_registrations.previous(obj.uid().as_deref(), obj.status.as_ref()).unwrap_or_default();
@@ -173,9 +173,7 @@ async fn cleanup(
         return Ok(Action::await_change());
     }
     let id = uid(obj)?;
-    let touched = ctx.election.release(id, ReleaseReason::Wrapped).await?;
-    let was_live = !touched.is_empty();
-    ctx.triggers.registrations(touched.into_iter().filter(|t| t.name != obj.name_any()));
+    let was_live = ctx.election.release(id, ReleaseReason::Wrapped).await?;
     if was_live {
         info!(namespace = ?obj.namespace(), name = %obj.name_any(), "registration wrapped");
         publish(ctx, obj, EventType::Normal, "Released", "released: wrapped (resource deleted)".into()).await;
@@ -193,7 +191,7 @@ async fn cleanup(
 }
 
 fn reference(row: &Registration) -> RegistrationRef {
-    RegistrationRef { name: row.name.clone(), session_id: row.session_id.clone(), agent_surface: row.surface() }
+    RegistrationRef { name: row.name.clone(), session_id: row.session_id.clone(), agent_surface: row.agent_surface }
 }
 
 /// The status of a registration, from its row and its project's view. Pure.
@@ -206,20 +204,12 @@ pub fn build_status(
     stale_after: chrono::Duration,
     now: DateTime<Utc>,
 ) -> ControllerRegistrationStatus {
-    let role = if !row.is_live() {
-        Role::Released
-    } else if row.is_master {
-        Role::Master
-    } else {
-        Role::Peer
-    };
-    let reason = row.reason();
+    let role = row.role();
+    let reason = row.release_reason;
     let heartbeat_age = now - row.last_heartbeat;
     let stale = reason == Some(ReleaseReason::StaleHeartbeatIncident) || (row.is_live() && heartbeat_age > stale_after);
     let (ready, ready_reason, ready_msg) = match (role, reason) {
-        (Role::Released, Some(r)) => {
-            (false, released_reason(r), format!("released: {}", crate::election::store::release_reason_str(r)))
-        }
+        (Role::Released, Some(r)) => (false, released_reason(r), format!("released: {r}")),
         (Role::Released, None) => (false, "Released", "released".to_string()),
         _ => (true, "Registered", format!("registered on project {}", row.project_id)),
     };
@@ -252,9 +242,9 @@ pub fn build_status(
         is_master: role == Role::Master,
         term: row.master_term,
         master: view.master.as_ref().map(reference),
-        registered_at: Some(to_time(row.registered_at)),
-        last_heartbeat: Some(to_time(row.last_heartbeat)),
-        released_at: row.released_at.map(to_time),
+        registered_at: Some(to_k8s(row.registered_at)),
+        last_heartbeat: Some(to_k8s(row.last_heartbeat)),
+        released_at: row.released_at.map(to_k8s),
         release_reason: reason,
         preempted: row.preempted,
         preempted_by: preempted_by.map(reference),
@@ -346,7 +336,7 @@ pub fn role_event(
         // and an Event per peer would double the API writes of every registration.
         (_, Role::Peer) => None,
         (_, Role::Released) => {
-            let reason = next.release_reason.map(crate::election::store::release_reason_str).unwrap_or("released");
+            let reason = next.release_reason.map(ReleaseReason::as_str).unwrap_or("released");
             Some((EventType::Normal, "Released", format!("released: {reason}")))
         }
         (_, Role::Pending) => next
@@ -377,7 +367,7 @@ mod tests {
             name: name.into(),
             project_id: "P".into(),
             session_id: format!("s-{name}"),
-            agent_surface: "codex".into(),
+            agent_surface: crate::crd::AgentSurface::Codex,
             is_master: master,
             master_term: master.then_some(3),
             registered_at: t,

@@ -17,20 +17,14 @@ use serde_json::json;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Context, ControllerError, FIELD_MANAGER, condition, to_time};
-use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
+use super::{Context, ControllerError, FIELD_MANAGER, condition};
+use crate::crd::{RunPhase, RunSession, RunSessionStatus};
 use crate::run_registry::identity::{Identity, Mirror};
-use crate::run_registry::{RuntimeError, Session};
+use crate::run_registry::projection::{self, Lease, SessionView};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
 /// lastHeartbeat alone is written at most this often.
 const HEARTBEAT_STATUS_RESOLUTION: i64 = 10;
-
-impl From<RuntimeError> for ControllerError {
-    fn from(e: RuntimeError) -> Self {
-        ControllerError::Runtime(e)
-    }
-}
 
 fn identity_of(obj: &RunSession) -> Result<Identity, ControllerError> {
     let uid = obj.uid().ok_or(ControllerError::MissingField("metadata.uid"))?;
@@ -64,7 +58,7 @@ pub async fn reconcile(obj: Arc<RunSession>, ctx: Arc<Context>) -> Result<Action
 
 async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
-    let target = identity.target();
+    let address = identity.address();
     let previous = ctx.written_runsessions.previous(obj.uid().as_deref(), obj.status.as_ref()).unwrap_or_default();
     let now = Utc::now();
     let generation = obj.metadata.generation;
@@ -78,29 +72,29 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
             (duplicate_status(&previous, generation, &msg, now), Duration::from_secs(30))
         }
         Mirror::Owned { rotated } => {
-            let mut rotated_now = false;
-            if rotated {
-                // Raising the generation revokes every older key, and the session it opened.
-                rotated_now = ctx.runtime.redis.revoke(&target).await.unwrap_or(false);
-                info!(name = %obj.name_any(), "credential rotated; live session revoked");
-            }
-            let lease = Duration::from_secs(u64::from(ctx.runtime.lease_seconds(&identity)));
-            match ctx.runtime.redis.session(&target).await {
+            let credential_rotated = rotated && revoke_session(ctx, obj, &address).await;
+            let lease_len = Duration::from_secs(u64::from(ctx.runtime.lease_seconds(&identity)));
+            let shown = SessionView::shown_in(&previous);
+            let (view, requeue) = match ctx.runtime.sessions.session(&address).await {
                 Ok(session) => {
                     // A session opened with an older key does not count.
                     let session = session.filter(|s| s.generation == identity.key_generation);
-                    let requeue = match &session {
+                    match &session {
                         // Come back right after the lease would end.
-                        Some(s) => Duration::from_millis(s.ttl_ms.clamp(0, lease.as_millis() as i64) as u64 + 250),
-                        None => lease,
-                    };
-                    (project(session.as_ref(), &previous, rotated_now, generation, now), requeue)
+                        Some(s) => (
+                            projection::project(Lease::Held(s), &shown),
+                            s.lease_left.min(lease_len) + Duration::from_millis(250),
+                        ),
+                        None => (projection::project(Lease::Absent { credential_rotated }, &shown), lease_len),
+                    }
                 }
-                Err(e) => {
+                Err(e) if e.registry_unavailable() => {
                     warn!(name = %obj.name_any(), error = %e, "Redis unavailable; RunSession shown Unavailable");
-                    (unavailable(&previous, generation, now), Duration::from_secs(5))
+                    (projection::project(Lease::RegistryDown, &shown), Duration::from_secs(5))
                 }
-            }
+                Err(e) => return Err(e.into()),
+            };
+            (status_of(view, &previous, generation, now), requeue)
         }
     };
     if needs_write(&previous, &next) {
@@ -116,7 +110,8 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
                 format!("session started, version {}", next.version.clone().unwrap_or_default()),
             ),
             RunPhase::Offline => {
-                (EventType::Normal, "Offline", format!("offline: {}", reason_str(next.unavailable_reason)))
+                let reason = next.unavailable_reason.map(|r| r.as_str()).unwrap_or("none");
+                (EventType::Normal, "Offline", format!("offline: {reason}"))
             }
             RunPhase::Unavailable => {
                 (EventType::Warning, "Unavailable", "runtime registry (Redis) unavailable".to_string())
@@ -134,109 +129,56 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
     Ok(Action::requeue(requeue))
 }
 
+/// Ends the live session after a credential rotation; true when there was one. A
+/// failure is logged and leaves the reason unchanged: the old key no longer proves
+/// possession anyway, and the lease runs out on its own.
+async fn revoke_session(ctx: &Context, obj: &RunSession, address: &crate::run_registry::RunAddress) -> bool {
+    match ctx.runtime.sessions.revoke(address).await {
+        Ok(revoked) => {
+            if revoked {
+                info!(name = %obj.name_any(), "credential rotated; live session revoked");
+            }
+            revoked
+        }
+        Err(error) => {
+            warn!(name = %obj.name_any(), %error, "credential rotated; could not revoke the live session now");
+            false
+        }
+    }
+}
+
 /// Deleting the resource revokes the identity: the live session stops being accepted.
 /// Its queued jobs stay queued (they are durable, and addressed to the identity).
 async fn cleanup(obj: &RunSession, ctx: &Context) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
     if ctx.runtime.identities.revoke(identity.id).await? {
-        ctx.runtime.redis.revoke(&identity.target()).await?;
+        ctx.runtime.sessions.revoke(&identity.address()).await?;
         info!(name = %obj.name_any(), "RunSession deleted; identity revoked");
     }
     Ok(Action::await_change())
 }
 
-fn reason_str(r: Option<UnavailableReason>) -> &'static str {
-    match r {
-        Some(UnavailableReason::RedisUnavailable) => "redis_unavailable",
-        Some(UnavailableReason::LeaseExpired) => "lease_expired",
-        Some(UnavailableReason::Superseded) => "superseded",
-        Some(UnavailableReason::CredentialRotated) => "credential_rotated",
-        None => "none",
-    }
-}
-
-fn ms_time(ms: i64) -> Option<Time> {
-    DateTime::<Utc>::from_timestamp_millis(ms).map(to_time)
-}
-
-/// The safe projection of a session into status (pure): never a token, hash, key name or
-/// credential — only what a platform engineer needs to see.
-pub fn project(
-    session: Option<&Session>,
+/// A RunSession's status from the projection (pure): the projection's facts plus the
+/// Ready and Online conditions.
+pub fn status_of(
+    view: SessionView,
     previous: &RunSessionStatus,
-    credential_rotated: bool,
     generation: Option<i64>,
     now: DateTime<Utc>,
 ) -> RunSessionStatus {
-    match session {
-        Some(s) => {
-            let target: Option<RunTarget> = serde_json::from_str::<serde_json::Value>(&s.target).ok().and_then(|v| {
-                Some(RunTarget { os: v.get("os")?.as_str()?.into(), arch: v.get("arch")?.as_str()?.into() })
-            });
-            RunSessionStatus {
-                phase: RunPhase::Online,
-                online: true,
-                last_heartbeat: ms_time(s.last_heartbeat_ms),
-                session_started_at: ms_time(s.started_at_ms),
-                version: (!s.version.is_empty()).then(|| s.version.clone()),
-                target,
-                capabilities: serde_json::from_str(&s.capabilities).unwrap_or_default(),
-                capacity: serde_json::from_str(&s.capacity).unwrap_or_default(),
-                unavailable_reason: None,
-                observed_generation: generation,
-                conditions: identity_conditions(previous, true, "LeaseHeld", "session lease held", generation, now),
-            }
+    let (reason, message) = match (view.phase, view.unavailable_reason) {
+        (RunPhase::Online, _) => ("LeaseHeld", "session lease held".to_string()),
+        (RunPhase::Pending, _) => ("NeverConnected", "never connected".to_string()),
+        (RunPhase::Unavailable, _) => ("RegistryUnavailable", "runtime registry (Redis) unavailable".to_string()),
+        (RunPhase::Offline, r) => {
+            ("LeaseExpired", format!("no session lease ({})", r.map(|r| r.as_str()).unwrap_or("none")))
         }
-        None => {
-            let ever = previous.last_heartbeat.is_some() || previous.session_started_at.is_some();
-            let reason = if credential_rotated {
-                Some(UnavailableReason::CredentialRotated)
-            } else if !ever {
-                None
-            } else {
-                match previous.unavailable_reason {
-                    Some(r @ (UnavailableReason::CredentialRotated | UnavailableReason::Superseded))
-                        if previous.phase == RunPhase::Offline =>
-                    {
-                        Some(r)
-                    }
-                    _ => Some(UnavailableReason::LeaseExpired),
-                }
-            };
-            let phase = if ever || credential_rotated { RunPhase::Offline } else { RunPhase::Pending };
-            let msg = match phase {
-                RunPhase::Pending => "never connected".to_string(),
-                _ => format!("no session lease ({})", reason_str(reason)),
-            };
-            let online_reason = if ever { "LeaseExpired" } else { "NeverConnected" };
-            RunSessionStatus {
-                phase,
-                online: false,
-                unavailable_reason: reason,
-                observed_generation: generation,
-                conditions: identity_conditions(previous, false, online_reason, &msg, generation, now),
-                // The last known facts stay visible while offline.
-                ..previous.clone()
-            }
-        }
-    }
-}
-
-fn unavailable(previous: &RunSessionStatus, generation: Option<i64>, now: DateTime<Utc>) -> RunSessionStatus {
+    };
+    let online = view.online;
     RunSessionStatus {
-        phase: RunPhase::Unavailable,
-        online: false,
-        unavailable_reason: Some(UnavailableReason::RedisUnavailable),
         observed_generation: generation,
-        conditions: identity_conditions(
-            previous,
-            false,
-            "RegistryUnavailable",
-            "runtime registry (Redis) unavailable",
-            generation,
-            now,
-        ),
-        ..previous.clone()
+        conditions: identity_conditions(previous, online, reason, &message, generation, now),
+        ..view.into_status()
     }
 }
 
@@ -283,52 +225,25 @@ fn needs_write(previous: &RunSessionStatus, next: &RunSessionStatus) -> bool {
 mod tests {
     use super::*;
 
-    fn session() -> Session {
-        Session {
-            session_id: "s".into(),
-            generation: 1,
-            started_at_ms: 1_700_000_000_000,
-            last_heartbeat_ms: 1_700_000_005_000,
-            version: "1.4.2".into(),
-            target: r#"{"os":"linux","arch":"amd64"}"#.into(),
-            capabilities: r#"["lifecycle","config"]"#.into(),
-            capacity: r#"{"slots":4}"#.into(),
-            ttl_ms: 20_000,
-        }
-    }
-
     #[test]
-    fn online_offline_and_pending() {
+    fn conditions_follow_the_phase() {
         let now = Utc::now();
-        let pending = project(None, &Default::default(), false, Some(1), now);
-        assert_eq!((pending.phase, pending.online, pending.unavailable_reason), (RunPhase::Pending, false, None));
-        let online = project(Some(&session()), &pending, false, Some(1), now);
-        assert_eq!(online.phase, RunPhase::Online);
-        assert_eq!(online.version.as_deref(), Some("1.4.2"));
-        assert_eq!(online.capacity.get("slots"), Some(&4));
-        assert_eq!(online.target, Some(RunTarget { os: "linux".into(), arch: "amd64".into() }));
-        let offline = project(None, &online, false, Some(1), now);
-        assert_eq!(
-            (offline.phase, offline.unavailable_reason),
-            (RunPhase::Offline, Some(UnavailableReason::LeaseExpired))
-        );
-        assert_eq!(offline.version.as_deref(), Some("1.4.2"), "last known facts stay");
-        let rotated = project(None, &online, true, Some(2), now);
-        assert_eq!(rotated.unavailable_reason, Some(UnavailableReason::CredentialRotated));
-        let still = project(None, &rotated, false, Some(2), now);
-        assert_eq!(
-            still.unavailable_reason,
-            Some(UnavailableReason::CredentialRotated),
-            "the reason sticks while offline"
-        );
-    }
-
-    #[test]
-    fn status_never_carries_secrets() {
-        let text = serde_json::to_string(&project(Some(&session()), &Default::default(), false, Some(1), Utc::now()))
-            .expect("json");
-        for secret in ["token", "hash", "prism:", "publicKey", "private"] {
-            assert!(!text.contains(secret), "{secret} in {text}");
-        }
+        let online = SessionView { phase: RunPhase::Online, online: true, ..Default::default() };
+        let status = status_of(online, &Default::default(), Some(2), now);
+        let cond = |s: &RunSessionStatus, t: &str| {
+            s.conditions.iter().find(|c| c.type_ == t).map(|c| (c.status.clone(), c.reason.clone()))
+        };
+        assert_eq!(cond(&status, "Online"), Some(("True".into(), "LeaseHeld".into())));
+        assert_eq!(cond(&status, "Ready"), Some(("True".into(), "Identity".into())));
+        assert_eq!(status.observed_generation, Some(2));
+        let offline = SessionView {
+            phase: RunPhase::Offline,
+            unavailable_reason: Some(crate::crd::UnavailableReason::LeaseExpired),
+            ..Default::default()
+        };
+        let status = status_of(offline, &status, Some(2), now);
+        assert_eq!(cond(&status, "Online"), Some(("False".into(), "LeaseExpired".into())));
+        let msg = status.conditions.iter().find(|c| c.type_ == "Online").map(|c| c.message.clone());
+        assert_eq!(msg.as_deref(), Some("no session lease (lease_expired)"));
     }
 }

@@ -4,7 +4,8 @@
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::{RuntimeError, Target};
+use super::{RegistryError, RunAddress};
+use crate::db::{QueryError, Step};
 
 #[derive(Clone, Debug, PartialEq, sqlx::FromRow)]
 pub struct Identity {
@@ -19,8 +20,8 @@ pub struct Identity {
 }
 
 impl Identity {
-    pub fn target(&self) -> Target {
-        Target { server_instance_id: self.server_instance_id.clone(), component_kind: self.component_kind.clone() }
+    pub fn address(&self) -> RunAddress {
+        RunAddress { server_instance_id: self.server_instance_id.clone(), component_kind: self.component_kind.clone() }
     }
 }
 
@@ -47,12 +48,13 @@ impl IdentityStore {
 
     /// Mirrors a resource's identity. The first live resource to claim a
     /// (server, component) owns it; a later one is a duplicate (partial unique index).
-    pub async fn mirror(&self, i: &Identity) -> Result<Mirror, RuntimeError> {
+    pub async fn mirror(&self, i: &Identity) -> Result<Mirror, RegistryError> {
         let previous: Option<i64> =
             sqlx::query_scalar("SELECT key_generation FROM run_identities WHERE id = $1 AND revoked_at IS NULL")
                 .bind(i.id)
                 .fetch_optional(&self.pool)
-                .await?;
+                .await
+                .step("mirror identity: read its generation")?;
         let res = sqlx::query(
             "INSERT INTO run_identities (id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
@@ -80,63 +82,64 @@ impl IdentityStore {
                 .bind(&i.server_instance_id)
                 .bind(&i.component_kind)
                 .fetch_one(&self.pool)
-                .await?;
+                .await
+                .step("mirror identity: find the owner of the address")?;
                 Ok(Mirror::Duplicate { owner_namespace: owner.0, owner_name: owner.1 })
             }
-            Err(e) => Err(e.into()),
+            Err(e) => Err(QueryError { step: "mirror identity: upsert", source: e }.into()),
         }
     }
 
     /// The resource is gone: its identity stops authenticating. Returns whether it was live.
-    pub async fn revoke(&self, id: Uuid) -> Result<bool, RuntimeError> {
+    pub async fn revoke(&self, id: Uuid) -> Result<bool, RegistryError> {
         let done = sqlx::query("UPDATE run_identities SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL")
             .bind(id)
             .execute(&self.pool)
-            .await?;
+            .await
+            .step("revoke identity")?;
         Ok(done.rows_affected() > 0)
     }
 
     /// The live identity of a (server, component).
-    pub async fn live(&self, t: &Target) -> Result<Option<Identity>, RuntimeError> {
+    pub async fn live(&self, a: &RunAddress) -> Result<Option<Identity>, RegistryError> {
         let sql = format!(
             "SELECT {COLUMNS} FROM run_identities WHERE server_instance_id = $1 AND component_kind = $2 AND revoked_at IS NULL"
         );
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(&t.server_instance_id)
-            .bind(&t.component_kind)
+            .bind(&a.server_instance_id)
+            .bind(&a.component_kind)
             .fetch_optional(&self.pool)
-            .await?)
+            .await
+            .step("read the identity of an address")?)
     }
 
     /// Every live identity of a server.
-    pub async fn of_server(&self, server_instance_id: &str) -> Result<Vec<Identity>, RuntimeError> {
+    pub async fn of_server(&self, server_instance_id: &str) -> Result<Vec<Identity>, RegistryError> {
         let sql = format!(
             "SELECT {COLUMNS} FROM run_identities WHERE server_instance_id = $1 AND revoked_at IS NULL ORDER BY component_kind"
         );
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(server_instance_id).fetch_all(&self.pool).await?)
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(server_instance_id)
+            .fetch_all(&self.pool)
+            .await
+            .step("read the identities of a server")?)
     }
 
     /// (namespace, name) of every resource that owns a live identity.
-    pub async fn all_live(&self) -> Result<Vec<(String, String)>, RuntimeError> {
+    pub async fn all_live(&self) -> Result<Vec<(String, String)>, RegistryError> {
         Ok(sqlx::query_as("SELECT namespace, name FROM run_identities WHERE revoked_at IS NULL")
             .fetch_all(&self.pool)
-            .await?)
+            .await
+            .step("list live identities")?)
     }
 
     /// Every live (server, component).
-    pub async fn all_targets(&self) -> Result<Vec<Target>, RuntimeError> {
+    pub async fn all_addresses(&self) -> Result<Vec<RunAddress>, RegistryError> {
         let rows: Vec<(String, String)> =
             sqlx::query_as("SELECT server_instance_id, component_kind FROM run_identities WHERE revoked_at IS NULL")
                 .fetch_all(&self.pool)
-                .await?;
-        Ok(rows.into_iter().map(|(s, c)| Target { server_instance_id: s, component_kind: c }).collect())
-    }
-
-    /// Whether this resource currently owns its identity.
-    pub async fn owns(&self, id: Uuid) -> Result<bool, RuntimeError> {
-        Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM run_identities WHERE id = $1 AND revoked_at IS NULL)")
-            .bind(id)
-            .fetch_one(&self.pool)
-            .await?)
+                .await
+                .step("list live addresses")?;
+        Ok(rows.into_iter().map(|(s, c)| RunAddress { server_instance_id: s, component_kind: c }).collect())
     }
 }

@@ -9,18 +9,40 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::{RuntimeError, Target};
+use super::{RegistryError, RunAddress};
+use crate::db::{Step as _, text_enum};
 
-pub const JOB_KINDS: [&str; 5] = ["lifecycle", "config", "file", "log", "protected_request"];
+text_enum! {
+    /// What a job asks the Run to do (SPEC §8; also a Postgres CHECK constraint).
+    pub enum JobKind {
+        Lifecycle = "lifecycle",
+        Config = "config",
+        File = "file",
+        Log = "log",
+        ProtectedRequest = "protected_request",
+    }
+}
+
+text_enum! {
+    /// Where a job is in its life (SPEC §5; also a Postgres CHECK constraint).
+    pub enum JobState {
+        Queued = "queued",
+        Claimed = "claimed",
+        Running = "running",
+        Succeeded = "succeeded",
+        Failed = "failed",
+        Cancelled = "cancelled",
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
 pub struct Job {
     pub id: Uuid,
     pub server_instance_id: String,
     pub component_kind: String,
-    pub kind: String,
+    pub kind: JobKind,
     pub payload: Value,
-    pub state: String,
+    pub state: JobState,
     pub attempts: i32,
     pub created_at: DateTime<Utc>,
     pub claimed_at: Option<DateTime<Utc>>,
@@ -38,7 +60,7 @@ pub enum StepRefused {
     /// The job belongs to another (server, component).
     CrossTarget,
     /// The job is not in a state that allows this step (e.g. already completed).
-    WrongState(String),
+    WrongState(JobState),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,22 +82,23 @@ impl JobStore {
         Self { pool, visibility }
     }
 
-    pub async fn enqueue(&self, t: &Target, kind: &str, payload: &Value) -> Result<Job, RuntimeError> {
+    pub async fn enqueue(&self, a: &RunAddress, kind: JobKind, payload: &Value) -> Result<Job, RegistryError> {
         let sql = format!(
             "INSERT INTO runtime_jobs (server_instance_id, component_kind, kind, payload) VALUES ($1, $2, $3, $4) RETURNING {COLUMNS}"
         );
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(&t.server_instance_id)
-            .bind(&t.component_kind)
+            .bind(&a.server_instance_id)
+            .bind(&a.component_kind)
             .bind(kind)
             .bind(payload)
             .fetch_one(&self.pool)
-            .await?)
+            .await
+            .step("enqueue: insert job")?)
     }
 
-    /// Claims up to `max` of the oldest queued jobs of the session's own target.
+    /// Claims up to `max` of the oldest queued jobs of the session's own address.
     /// SKIP LOCKED: concurrent claimers never wait on, or take, each other's rows.
-    pub async fn claim(&self, t: &Target, session_id: Uuid, max: i64) -> Result<Vec<Job>, RuntimeError> {
+    pub async fn claim(&self, a: &RunAddress, session_id: Uuid, max: i64) -> Result<Vec<Job>, RegistryError> {
         let sql = format!(
             "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), updated_at = now(),
                  visible_at = now() + make_interval(secs => $5), attempts = attempts + 1, claimed_by_session = $3
@@ -88,85 +111,96 @@ impl JobStore {
              RETURNING {COLUMNS}"
         );
         let mut jobs: Vec<Job> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(&t.server_instance_id)
-            .bind(&t.component_kind)
+            .bind(&a.server_instance_id)
+            .bind(&a.component_kind)
             .bind(session_id)
             .bind(max)
-            .bind(self.visibility.num_seconds() as f64)
+            .bind(self.visibility_secs())
             .fetch_all(&self.pool)
-            .await?;
+            .await
+            .step("claim: take queued jobs")?;
         jobs.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
         Ok(jobs)
     }
 
-    /// Ack, progress or complete a job of the caller's own target. A Run that said hello
+    fn visibility_secs(&self) -> f64 {
+        self.visibility.num_seconds() as f64
+    }
+
+    /// Ack, progress or complete a job of the caller's own address. A Run that said hello
     /// again (new session, same identity) may finish what its previous session claimed.
     pub async fn step(
         &self,
-        t: &Target,
+        a: &RunAddress,
         id: Uuid,
         step: Step,
         body: Option<&Value>,
-    ) -> Result<Result<Job, StepRefused>, RuntimeError> {
-        // The visibility timeout is configuration (a number), not input.
-        let visible = format!("now() + make_interval(secs => {})", self.visibility.num_seconds());
-        let set = match step {
-            Step::Ack => format!("state = 'running', progress = COALESCE($4::jsonb, progress), visible_at = {visible}"),
+    ) -> Result<Result<Job, StepRefused>, RegistryError> {
+        // $1-$4 in every step; $5 is the visibility timeout for ack/progress, the final
+        // state for complete. Nothing of the caller's is spliced into the text.
+        let (set, fifth) = match step {
+            Step::Ack => (
+                "state = 'running', progress = COALESCE($4::jsonb, progress), visible_at = now() + make_interval(secs => $5)",
+                None,
+            ),
             Step::Progress => {
-                format!("state = 'running', progress = $4::jsonb, visible_at = {visible}")
+                ("state = 'running', progress = $4::jsonb, visible_at = now() + make_interval(secs => $5)", None)
             }
-            Step::Complete { succeeded } => {
-                let state = if succeeded { "succeeded" } else { "failed" };
-                format!("state = '{state}', result = $4::jsonb, completed_at = now(), visible_at = NULL")
-            }
+            Step::Complete { succeeded } => (
+                "state = $5, result = $4::jsonb, completed_at = now(), visible_at = NULL",
+                Some(if succeeded { JobState::Succeeded } else { JobState::Failed }),
+            ),
         };
         let sql = format!(
             "UPDATE runtime_jobs SET {set}, updated_at = now()
              WHERE id = $1 AND server_instance_id = $2 AND component_kind = $3 AND state IN ('claimed','running')
              RETURNING {COLUMNS}"
         );
-        let done: Option<Job> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        let update = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(id)
-            .bind(&t.server_instance_id)
-            .bind(&t.component_kind)
-            .bind(body)
-            .fetch_optional(&self.pool)
-            .await?;
+            .bind(&a.server_instance_id)
+            .bind(&a.component_kind)
+            .bind(body);
+        let update = match fifth {
+            Some(state) => update.bind(state),
+            None => update.bind(self.visibility_secs()),
+        };
+        let done: Option<Job> = update.fetch_optional(&self.pool).await.step("job step: update the job")?;
         if let Some(job) = done {
             return Ok(Ok(job));
         }
         // Say why, without changing anything.
-        let existing: Option<(String, String, String)> =
+        let existing: Option<(String, String, JobState)> =
             sqlx::query_as("SELECT server_instance_id, component_kind, state FROM runtime_jobs WHERE id = $1")
                 .bind(id)
                 .fetch_optional(&self.pool)
-                .await?;
+                .await
+                .step("job step: read the refused job")?;
         Ok(Err(match existing {
             None => StepRefused::NotFound,
-            Some((s, c, _)) if s != t.server_instance_id || c != t.component_kind => StepRefused::CrossTarget,
+            Some((s, c, _)) if s != a.server_instance_id || c != a.component_kind => StepRefused::CrossTarget,
             Some((_, _, state)) => StepRefused::WrongState(state),
         }))
     }
 
-    pub async fn get(&self, id: Uuid) -> Result<Option<Job>, RuntimeError> {
-        let sql = format!("SELECT {COLUMNS} FROM runtime_jobs WHERE id = $1");
-        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(&self.pool).await?)
-    }
-
     /// Returns claimed or running jobs past their visibility timeout to the queue.
-    pub async fn reap(&self) -> Result<u64, RuntimeError> {
+    pub async fn reap(&self) -> Result<u64, RegistryError> {
         let done = sqlx::query(
             "UPDATE runtime_jobs SET state = 'queued', claimed_at = NULL, visible_at = NULL,
                  claimed_by_session = NULL, updated_at = now()
              WHERE state IN ('claimed','running') AND visible_at < now()",
         )
         .execute(&self.pool)
-        .await?;
+        .await
+        .step("reaper: requeue expired claims")?;
         Ok(done.rows_affected())
     }
 
-    /// Queued jobs per target, for metrics and status.
-    pub async fn queue_depth(&self) -> Result<i64, RuntimeError> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE state = 'queued'").fetch_one(&self.pool).await?)
+    /// Queued jobs of every address, for metrics.
+    pub async fn queue_depth(&self) -> Result<i64, RegistryError> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE state = 'queued'")
+            .fetch_one(&self.pool)
+            .await
+            .step("metrics: count queued jobs")?)
     }
 }

@@ -1,21 +1,57 @@
-//! The runtime session registry (SPEC §5): Run identities (Postgres), proofs of
-//! possession, session leases (Redis), durable jobs (Postgres).
+//! The registry of Runs (SPEC §5): Run identities mirrored from RunSessions (Postgres),
+//! proofs of possession, session leases (Redis), durable jobs (Postgres), and the one
+//! safe projection of a session that status and the HTTP API both show.
 
 pub mod identity;
 pub mod jobs;
+pub mod projection;
 pub mod proof;
 pub mod service;
 pub mod sessions;
 
-pub use self::sessions::{RedisStore, Session, Target, TokenCheck};
+pub use self::sessions::{RunAddress, Session, SessionStore, TokenCheck};
 
-/// Errors of the runtime layer; mapped once to HTTP codes and conditions.
+use crate::db::QueryError;
+
+/// Errors of the registry; mapped once to HTTP codes (api::error) and conditions.
 #[derive(Debug, thiserror::Error)]
-pub enum RuntimeError {
-    #[error("runtime registry unavailable: {0}")]
-    Unavailable(#[from] ::redis::RedisError),
-    #[error("database unavailable: {0}")]
-    Database(#[from] sqlx::Error),
+pub enum RegistryError {
+    #[error("runtime registry (Redis): {step}: {source}")]
+    Redis {
+        step: &'static str,
+        #[source]
+        source: redis::RedisError,
+    },
+    #[error(transparent)]
+    Database(#[from] QueryError),
+    /// A session hash this build cannot read (written by hand, or by another version).
+    #[error("runtime registry (Redis): the session of {address} has {field} = {value:?}, which cannot be read")]
+    CorruptSession { address: RunAddress, field: &'static str, value: String },
     #[error("no randomness available: {0}")]
     Entropy(String),
+}
+
+impl RegistryError {
+    /// Redis cannot be reached right now: a 503 `runtime_registry_unavailable`, and Runs
+    /// shown `Unavailable`. Answers Redis gave that this build cannot read are bugs.
+    pub fn registry_unavailable(&self) -> bool {
+        use redis::ErrorKind;
+        match self {
+            RegistryError::Redis { source, .. } => {
+                !matches!(source.kind(), ErrorKind::Parse | ErrorKind::UnexpectedReturnType)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// `redis::RedisError` with the step that failed.
+pub(crate) trait RedisStep<T> {
+    fn step(self, step: &'static str) -> Result<T, RegistryError>;
+}
+
+impl<T> RedisStep<T> for Result<T, redis::RedisError> {
+    fn step(self, step: &'static str) -> Result<T, RegistryError> {
+        self.map_err(|source| RegistryError::Redis { step, source })
+    }
 }

@@ -11,19 +11,15 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-use super::RuntimeError;
+use super::RegistryError;
 use super::identity::{Identity, IdentityStore};
 use super::jobs::{Job, JobStore, Step, StepRefused};
 use super::proof;
-use super::sessions::{HelloOutcome, NewSession, RedisStore, Session, Target, TokenCheck};
+use super::sessions::{HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
+use crate::crd::RunTarget;
 
 const TOKEN_PREFIX: &str = "prs1";
-
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct RunTargetInfo {
-    pub os: String,
-    pub arch: String,
-}
+const NO_CAPACITY: &BTreeMap<String, i64> = &BTreeMap::new();
 
 /// The hello request (SPEC §8).
 #[derive(Clone, Debug, Deserialize)]
@@ -38,7 +34,7 @@ pub struct Hello {
     #[serde(default)]
     pub version: Option<String>,
     #[serde(default)]
-    pub target: Option<RunTargetInfo>,
+    pub target: Option<RunTarget>,
     #[serde(default)]
     pub capabilities: Option<Vec<String>>,
     #[serde(default)]
@@ -165,15 +161,15 @@ fn check_hello(h: &Hello) -> Result<(), Invalid> {
 }
 
 /// A session token: a routing part naming the identity (not secret) and 256 random bits.
-fn mint_token(t: &Target) -> Result<String, RuntimeError> {
+fn mint_token(a: &RunAddress) -> Result<String, RegistryError> {
     let mut secret = [0u8; 32];
-    getrandom::fill(&mut secret).map_err(|e| RuntimeError::Entropy(e.to_string()))?;
-    let route = URL_SAFE_NO_PAD.encode(format!("{}\n{}", t.server_instance_id, t.component_kind));
+    getrandom::fill(&mut secret).map_err(|e| RegistryError::Entropy(e.to_string()))?;
+    let route = URL_SAFE_NO_PAD.encode(format!("{}\n{}", a.server_instance_id, a.component_kind));
     Ok(format!("{TOKEN_PREFIX}.{route}.{}", URL_SAFE_NO_PAD.encode(secret)))
 }
 
-/// The identity a token is for, if it is shaped like one of ours.
-pub fn token_target(token: &str) -> Option<Target> {
+/// The address a token is for, if it is shaped like one of ours.
+pub fn token_address(token: &str) -> Option<RunAddress> {
     let mut parts = token.split('.');
     let (Some(TOKEN_PREFIX), Some(route), Some(secret), None) =
         (parts.next(), parts.next(), parts.next(), parts.next())
@@ -185,7 +181,7 @@ pub fn token_target(token: &str) -> Option<Target> {
     }
     let route = String::from_utf8(URL_SAFE_NO_PAD.decode(route).ok()?).ok()?;
     let (server, component) = route.split_once('\n')?;
-    Some(Target { server_instance_id: server.to_string(), component_kind: component.to_string() })
+    Some(RunAddress { server_instance_id: server.to_string(), component_kind: component.to_string() })
 }
 
 /// Only this hash is stored.
@@ -193,12 +189,9 @@ pub fn token_hash(token: &str) -> String {
     Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A heartbeat: when, and the capability/capacity snapshot it carries (if any).
-pub type Renewal<'a> = (DateTime<Utc>, Option<&'a Vec<String>>, Option<&'a BTreeMap<String, i64>>);
-
 #[derive(Clone)]
 pub struct RuntimeService {
-    pub redis: RedisStore,
+    pub sessions: SessionStore,
     pub identities: IdentityStore,
     pub jobs: JobStore,
     pub default_lease_seconds: u32,
@@ -215,13 +208,13 @@ impl RuntimeService {
         &self,
         h: &Hello,
         now: DateTime<Utc>,
-    ) -> Result<Result<(Identity, Granted), HelloError>, RuntimeError> {
+    ) -> Result<Result<(Identity, Granted), HelloError>, RegistryError> {
         if let Err(e) = check_hello(h) {
             return Ok(Err(HelloError::Invalid(e)));
         }
-        let target =
-            Target { server_instance_id: h.server_instance_id.clone(), component_kind: h.component_kind.clone() };
-        let Some(identity) = self.identities.live(&target).await? else {
+        let address =
+            RunAddress { server_instance_id: h.server_instance_id.clone(), component_kind: h.component_kind.clone() };
+        let Some(identity) = self.identities.live(&address).await? else {
             return Ok(Err(HelloError::Refused(ProofRefused::UnknownIdentity)));
         };
         if h.key_generation != identity.key_generation {
@@ -236,24 +229,22 @@ impl RuntimeService {
             return Ok(Err(HelloError::Refused(ProofRefused::BadSignature)));
         }
         let lease = self.lease_seconds(&identity);
-        let token = mint_token(&target)?;
+        let token = mint_token(&address)?;
         let hash = token_hash(&token);
-        let session_id = Uuid::new_v4().to_string();
-        let json = |v: Option<String>| v.unwrap_or_default();
         let session = NewSession {
             token_hash: &hash,
-            session_id: &session_id,
+            session_id: Uuid::new_v4(),
             generation: identity.key_generation,
-            now_ms: now.timestamp_millis(),
-            lease_ms: i64::from(lease) * 1000,
-            version: h.version.as_deref().unwrap_or(""),
-            target: &json(h.target.as_ref().and_then(|t| serde_json::to_string(t).ok())),
-            capabilities: &json(h.capabilities.as_ref().and_then(|c| serde_json::to_string(c).ok())),
-            capacity: &json(h.capacity.as_ref().and_then(|c| serde_json::to_string(c).ok())),
+            now,
+            lease: std::time::Duration::from_secs(u64::from(lease)),
+            version: h.version.as_deref(),
+            target: h.target.as_ref(),
+            capabilities: h.capabilities.as_deref().unwrap_or_default(),
+            capacity: h.capacity.as_ref().unwrap_or(NO_CAPACITY),
         };
         // Nonces are remembered past both ends of the clock window.
-        let nonce_ttl = (2 * proof::CLOCK_WINDOW_SECS + 60) as u64;
-        if self.redis.hello(&target, &h.nonce, &session, nonce_ttl).await? == HelloOutcome::ReplayedNonce {
+        let nonce_ttl = std::time::Duration::from_secs((2 * proof::CLOCK_WINDOW_SECS + 60) as u64);
+        if self.sessions.hello(&address, &h.nonce, &session, nonce_ttl).await? == HelloOutcome::ReplayedNonce {
             return Ok(Err(HelloError::Refused(ProofRefused::ReplayedNonce)));
         }
         let granted =
@@ -266,33 +257,29 @@ impl RuntimeService {
         &self,
         token: &str,
         renew: Option<Renewal<'_>>,
-    ) -> Result<Result<(Target, Session), SessionRefused>, RuntimeError> {
-        let Some(target) = token_target(token) else {
+    ) -> Result<Result<(RunAddress, Session), SessionRefused>, RegistryError> {
+        let Some(address) = token_address(token) else {
             return Ok(Err(SessionRefused::InvalidToken));
         };
-        let caps = renew.and_then(|(_, c, _)| c).and_then(|c| serde_json::to_string(c).ok());
-        let cap = renew.and_then(|(_, _, c)| c).and_then(|c| serde_json::to_string(c).ok());
-        let renew = renew.map(|(now, _, _)| (now.timestamp_millis(), caps.as_deref(), cap.as_deref()));
-        Ok(match self.redis.check(&target, &token_hash(token), renew).await? {
-            TokenCheck::Valid(s) => Ok((target, s)),
+        Ok(match self.sessions.check(&address, &token_hash(token), renew).await? {
+            TokenCheck::Valid(s) => Ok((address, s)),
             TokenCheck::Superseded => Err(SessionRefused::Superseded),
             TokenCheck::Expired => Err(SessionRefused::Expired),
         })
     }
 
-    pub async fn claim(&self, target: &Target, session: &Session, max: i64) -> Result<Vec<Job>, RuntimeError> {
-        let session_id = Uuid::parse_str(&session.session_id).unwrap_or_default();
-        self.jobs.claim(target, session_id, max).await
+    pub async fn claim(&self, address: &RunAddress, session: &Session, max: i64) -> Result<Vec<Job>, RegistryError> {
+        self.jobs.claim(address, session.session_id, max).await
     }
 
     pub async fn step(
         &self,
-        target: &Target,
+        address: &RunAddress,
         id: Uuid,
         step: Step,
         body: Option<&Value>,
-    ) -> Result<Result<Job, StepRefused>, RuntimeError> {
-        self.jobs.step(target, id, step, body).await
+    ) -> Result<Result<Job, StepRefused>, RegistryError> {
+        self.jobs.step(address, id, step, body).await
     }
 }
 
@@ -308,16 +295,16 @@ mod tests {
 
     #[test]
     fn tokens_route_to_their_identity_and_carry_256_random_bits() {
-        let t = Target { server_instance_id: "srv-eu1.7".into(), component_kind: "run".into() };
+        let t = RunAddress { server_instance_id: "srv-eu1.7".into(), component_kind: "run".into() };
         let a = mint_token(&t).expect("token");
         let b = mint_token(&t).expect("token");
         assert_ne!(a, b);
-        assert_eq!(token_target(&a), Some(t));
+        assert_eq!(token_address(&a), Some(t));
         assert_eq!(token_hash(&a).len(), 64);
-        assert_eq!(token_target("prs1.bad"), None);
-        assert_eq!(token_target("Bearer something"), None);
+        assert_eq!(token_address("prs1.bad"), None);
+        assert_eq!(token_address("Bearer something"), None);
         let forged = format!("{}x", a);
-        assert_eq!(token_target(&forged), None);
+        assert_eq!(token_address(&forged), None);
     }
 
     #[test]

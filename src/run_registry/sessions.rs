@@ -5,38 +5,50 @@
 //! that touches more than one key is a single Lua script, so the scripts run unchanged on
 //! Redis Cluster:
 //! * `{prefix}:run:{srv/comp}:session` — hash, the live session; its TTL *is* the lease.
+//!   Its fields are strings; `target`, `capabilities` and `capacity` hold JSON, written
+//!   and read only here, so everything outside this module sees typed `Session`s.
 //! * `{prefix}:run:{srv/comp}:retired` — set of superseded token hashes (TTL: a lease).
 //! * `{prefix}:run:{srv/comp}:nonce:{nonce}` — replay guard for hello nonces.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use redis::Script;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use uuid::Uuid;
 
-use super::RuntimeError;
+use super::{RedisStep, RegistryError};
+use crate::crd::RunTarget;
 
-/// A Run identity: what Redis keys and jobs are addressed by.
+/// Where a Run lives, and what its keys and jobs are addressed by: one server instance's
+/// component. A live resource owns each address (SPEC §3.2).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Target {
+pub struct RunAddress {
     pub server_instance_id: String,
     pub component_kind: String,
 }
 
-/// The stored session (never its token; the token hash stays inside Redis scripts).
-#[derive(Clone, Debug, PartialEq, Default)]
+impl std::fmt::Display for RunAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.server_instance_id, self.component_kind)
+    }
+}
+
+/// A live session as stored (never its token; the token hash stays inside the scripts).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Session {
-    pub session_id: String,
+    pub session_id: Uuid,
+    /// The credential generation the session proved possession with.
     pub generation: i64,
-    pub started_at_ms: i64,
-    pub last_heartbeat_ms: i64,
-    pub version: String,
-    /// JSON documents as the Run sent them (validated before they got here).
-    pub target: String,
-    pub capabilities: String,
-    pub capacity: String,
-    /// Milliseconds left on the lease.
-    pub ttl_ms: i64,
+    pub started_at: DateTime<Utc>,
+    pub last_heartbeat: DateTime<Utc>,
+    pub version: Option<String>,
+    pub target: Option<RunTarget>,
+    pub capabilities: Vec<String>,
+    pub capacity: BTreeMap<String, i64>,
+    /// What is left of the lease.
+    pub lease_left: Duration,
 }
 
 /// What a token is worth right now.
@@ -45,26 +57,34 @@ pub enum TokenCheck {
     Valid(Session),
     /// A newer hello replaced this token.
     Superseded,
-    /// No live session for this identity (lease expired, or Redis lost it).
+    /// No live session for this address (lease expired, or Redis lost it).
     Expired,
 }
 
 /// A fresh session to write at hello.
 pub struct NewSession<'a> {
     pub token_hash: &'a str,
-    pub session_id: &'a str,
+    pub session_id: Uuid,
     pub generation: i64,
-    pub now_ms: i64,
-    pub lease_ms: i64,
-    pub version: &'a str,
-    pub target: &'a str,
-    pub capabilities: &'a str,
-    pub capacity: &'a str,
+    pub now: DateTime<Utc>,
+    pub lease: Duration,
+    pub version: Option<&'a str>,
+    pub target: Option<&'a RunTarget>,
+    pub capabilities: &'a [String],
+    pub capacity: &'a BTreeMap<String, i64>,
+}
+
+/// A heartbeat's renewal: when, and the snapshot it carries (absent parts are kept).
+#[derive(Clone, Copy, Debug)]
+pub struct Renewal<'a> {
+    pub now: DateTime<Utc>,
+    pub capabilities: Option<&'a [String]>,
+    pub capacity: Option<&'a BTreeMap<String, i64>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HelloOutcome {
-    /// The identity had no live session.
+    /// The address had no live session.
     Started,
     /// A live session was replaced: its token stops authorizing at once.
     Rotated,
@@ -121,10 +141,10 @@ table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
 return fields
 "#;
 
-/// A lazily connected, self-reconnecting Redis connection plus the key prefix every key
-/// of this operator lives under.
+/// The Redis side of the registry: a lazily connected, self-reconnecting connection,
+/// the key prefix every key of this operator lives under, and the scripts.
 #[derive(Clone)]
-pub struct RedisStore {
+pub struct SessionStore {
     conn: ConnectionManager,
     prefix: String,
     hello: Script,
@@ -132,44 +152,80 @@ pub struct RedisStore {
     read: Script,
 }
 
-fn session_of(mut fields: HashMap<String, String>) -> Session {
-    let mut take = |k: &str| fields.remove(k).unwrap_or_default();
-    let num = |s: String| s.parse::<i64>().unwrap_or_default();
-    Session {
-        session_id: take("session_id"),
-        generation: num(take("generation")),
-        started_at_ms: num(take("started_at_ms")),
-        last_heartbeat_ms: num(take("last_heartbeat_ms")),
-        version: take("version"),
-        target: take("target"),
-        capabilities: take("capabilities"),
-        capacity: take("capacity"),
-        ttl_ms: num(take("ttl_ms")),
+/// The fields of a session hash, as Redis returns them (`HGETALL` plus `ttl_ms`).
+struct SessionFields {
+    address: RunAddress,
+    fields: HashMap<String, String>,
+}
+
+impl SessionFields {
+    fn new(address: &RunAddress, list: Vec<String>) -> Self {
+        let mut fields = HashMap::new();
+        let mut it = list.into_iter();
+        while let (Some(k), Some(v)) = (it.next(), it.next()) {
+            fields.insert(k, v);
+        }
+        // The token hash never leaves this module.
+        fields.remove("token_hash");
+        Self { address: address.clone(), fields }
+    }
+
+    fn corrupt(&self, field: &'static str) -> RegistryError {
+        let value = self.fields.get(field).cloned().unwrap_or_default();
+        RegistryError::CorruptSession { address: self.address.clone(), field, value }
+    }
+
+    fn text(&self, field: &'static str) -> &str {
+        self.fields.get(field).map(String::as_str).unwrap_or_default()
+    }
+
+    fn number(&self, field: &'static str) -> Result<i64, RegistryError> {
+        self.text(field).parse().map_err(|_| self.corrupt(field))
+    }
+
+    fn millis(&self, field: &'static str) -> Result<DateTime<Utc>, RegistryError> {
+        DateTime::from_timestamp_millis(self.number(field)?).ok_or_else(|| self.corrupt(field))
+    }
+
+    /// A JSON document, or its default when the Run did not send one (empty field).
+    fn json<T: serde::de::DeserializeOwned + Default>(&self, field: &'static str) -> Result<T, RegistryError> {
+        match self.text(field) {
+            "" => Ok(T::default()),
+            text => serde_json::from_str(text).map_err(|_| self.corrupt(field)),
+        }
+    }
+
+    fn session(&self) -> Result<Session, RegistryError> {
+        Ok(Session {
+            session_id: Uuid::parse_str(self.text("session_id")).map_err(|_| self.corrupt("session_id"))?,
+            generation: self.number("generation")?,
+            started_at: self.millis("started_at_ms")?,
+            last_heartbeat: self.millis("last_heartbeat_ms")?,
+            version: Some(self.text("version")).filter(|v| !v.is_empty()).map(str::to_string),
+            target: self.json("target")?,
+            capabilities: self.json("capabilities")?,
+            capacity: self.json("capacity")?,
+            lease_left: Duration::from_millis(self.number("ttl_ms")?.max(0) as u64),
+        })
     }
 }
 
-fn pairs(list: Vec<String>) -> HashMap<String, String> {
-    let mut map = HashMap::new();
-    let mut it = list.into_iter();
-    while let (Some(k), Some(v)) = (it.next(), it.next()) {
-        map.insert(k, v);
-    }
-    // The token hash never leaves this module.
-    map.remove("token_hash");
-    map
+/// A JSON document for a session field (these types always serialize).
+fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_default()
 }
 
-impl RedisStore {
+impl SessionStore {
     /// Does not connect: the operator starts (and reports "unavailable") while Redis is down.
-    pub fn new(url: &str, prefix: &str) -> Result<Self, RuntimeError> {
-        let client = redis::Client::open(url)?;
+    pub fn new(url: &str, prefix: &str) -> Result<Self, RegistryError> {
+        let client = redis::Client::open(url).step("parse REDIS_URL")?;
         // Short timeouts: a Run waiting on a dead Redis should get a 503 quickly, not hang.
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(2)))
             .set_response_timeout(Some(Duration::from_secs(2)))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+        let conn = ConnectionManager::new_lazy_with_config(client, config).step("set up the connection")?;
         Ok(Self {
             conn,
             prefix: prefix.to_string(),
@@ -179,23 +235,19 @@ impl RedisStore {
         })
     }
 
-    pub fn prefix(&self) -> &str {
-        &self.prefix
+    /// The session hash and retired set of an address (for the benchmark's baseline).
+    pub fn session_keys(&self, a: &RunAddress) -> (String, String) {
+        (self.key(a, "session"), self.key(a, "retired"))
     }
 
-    /// The session hash and retired set of an identity (for the benchmark's baseline).
-    pub fn session_keys(&self, t: &Target) -> (String, String) {
-        (self.key(t, "session"), self.key(t, "retired"))
-    }
-
-    fn key(&self, t: &Target, suffix: &str) -> String {
-        format!("{}:run:{{{}/{}}}:{suffix}", self.prefix, t.server_instance_id, t.component_kind)
+    fn key(&self, a: &RunAddress, suffix: &str) -> String {
+        format!("{}:run:{{{}/{}}}:{suffix}", self.prefix, a.server_instance_id, a.component_kind)
     }
 
     /// Round trip to Redis, for readiness.
-    pub async fn ping(&self) -> Result<(), RuntimeError> {
+    pub async fn ping(&self) -> Result<(), RegistryError> {
         let mut conn = self.conn.clone();
-        let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+        let _: String = redis::cmd("PING").query_async(&mut conn).await.step("ping")?;
         Ok(())
     }
 
@@ -203,82 +255,149 @@ impl RedisStore {
     /// script: nonce guard, rotation and lease are a single atomic step.
     pub async fn hello(
         &self,
-        t: &Target,
+        a: &RunAddress,
         nonce: &str,
         s: &NewSession<'_>,
-        nonce_ttl_secs: u64,
-    ) -> Result<HelloOutcome, RuntimeError> {
+        nonce_ttl: Duration,
+    ) -> Result<HelloOutcome, RegistryError> {
         let mut conn = self.conn.clone();
         let out: String = self
             .hello
-            .key(self.key(t, "session"))
-            .key(self.key(t, "retired"))
-            .key(self.key(t, &format!("nonce:{nonce}")))
+            .key(self.key(a, "session"))
+            .key(self.key(a, "retired"))
+            .key(self.key(a, &format!("nonce:{nonce}")))
             .arg(s.token_hash)
-            .arg(s.session_id)
+            .arg(s.session_id.to_string())
             .arg(s.generation)
-            .arg(s.now_ms)
-            .arg(s.lease_ms)
-            .arg(nonce_ttl_secs)
-            .arg(s.version)
-            .arg(s.target)
-            .arg(s.capabilities)
-            .arg(s.capacity)
+            .arg(s.now.timestamp_millis())
+            .arg(s.lease.as_millis() as u64)
+            .arg(nonce_ttl.as_secs())
+            .arg(s.version.unwrap_or_default())
+            .arg(s.target.map(to_json).unwrap_or_default())
+            .arg(to_json(&s.capabilities))
+            .arg(to_json(s.capacity))
             .invoke_async(&mut conn)
-            .await?;
-        Ok(match out.as_str() {
-            "replayed" => HelloOutcome::ReplayedNonce,
-            "rotated" => HelloOutcome::Rotated,
-            _ => HelloOutcome::Started,
-        })
+            .await
+            .step("hello: write the session lease")?;
+        match out.as_str() {
+            "replayed" => Ok(HelloOutcome::ReplayedNonce),
+            "rotated" => Ok(HelloOutcome::Rotated),
+            "started" => Ok(HelloOutcome::Started),
+            other => Err(RegistryError::CorruptSession { address: a.clone(), field: "hello", value: other.into() }),
+        }
     }
 
-    /// Checks a token; with `renew`, also extends the lease and stores the snapshot.
+    /// Checks a token; with a renewal, also extends the lease and stores the snapshot.
     pub async fn check(
         &self,
-        t: &Target,
+        a: &RunAddress,
         token_hash: &str,
-        renew: Option<(i64, Option<&str>, Option<&str>)>,
-    ) -> Result<TokenCheck, RuntimeError> {
+        renew: Option<Renewal<'_>>,
+    ) -> Result<TokenCheck, RegistryError> {
         let mut conn = self.conn.clone();
         let (flag, now, caps, cap) = match renew {
-            Some((now, caps, cap)) => ("1", now, caps.unwrap_or(""), cap.unwrap_or("")),
-            None => ("0", 0, "", ""),
+            Some(r) => (
+                "1",
+                r.now.timestamp_millis(),
+                r.capabilities.map(to_json).unwrap_or_default(),
+                r.capacity.map(to_json).unwrap_or_default(),
+            ),
+            None => ("0", 0, String::new(), String::new()),
         };
         let out: redis::Value = self
             .check
-            .key(self.key(t, "session"))
-            .key(self.key(t, "retired"))
+            .key(self.key(a, "session"))
+            .key(self.key(a, "retired"))
             .arg(token_hash)
             .arg(flag)
             .arg(now)
             .arg(caps)
             .arg(cap)
             .invoke_async(&mut conn)
-            .await?;
+            .await
+            .step("check the session token")?;
         // A list is the session's fields; a single word is why the token is not valid.
-        if let Ok(list) = redis::from_redis_value_ref::<Vec<String>>(&out)
-            && list.len() > 1
-        {
-            return Ok(TokenCheck::Valid(session_of(pairs(list))));
+        if let redis::Value::Array(_) = out {
+            let list: Vec<String> =
+                redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the session")?;
+            return Ok(TokenCheck::Valid(SessionFields::new(a, list).session()?));
         }
-        Ok(match redis::from_redis_value_ref::<String>(&out).unwrap_or_default().as_str() {
-            "superseded" => TokenCheck::Superseded,
-            _ => TokenCheck::Expired,
-        })
+        let word: String =
+            redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the token check")?;
+        match word.as_str() {
+            "superseded" => Ok(TokenCheck::Superseded),
+            "expired" => Ok(TokenCheck::Expired),
+            other => Err(RegistryError::CorruptSession { address: a.clone(), field: "check", value: other.into() }),
+        }
     }
 
-    /// The live session of an identity with its remaining lease, if any.
-    pub async fn session(&self, t: &Target) -> Result<Option<Session>, RuntimeError> {
+    /// The live session of an address with what is left of its lease, if any.
+    pub async fn session(&self, a: &RunAddress) -> Result<Option<Session>, RegistryError> {
         let mut conn = self.conn.clone();
-        let list: Vec<String> = self.read.key(self.key(t, "session")).invoke_async(&mut conn).await?;
-        Ok((!list.is_empty()).then(|| session_of(pairs(list))))
+        let list: Vec<String> =
+            self.read.key(self.key(a, "session")).invoke_async(&mut conn).await.step("read the session")?;
+        if list.is_empty() {
+            return Ok(None);
+        }
+        SessionFields::new(a, list).session().map(Some)
     }
 
-    /// Ends an identity's live session at once (credential rotated, resource deleted).
-    pub async fn revoke(&self, t: &Target) -> Result<bool, RuntimeError> {
+    /// Ends an address's live session at once (credential rotated, resource deleted).
+    /// Returns whether there was one.
+    pub async fn revoke(&self, a: &RunAddress) -> Result<bool, RegistryError> {
         let mut conn = self.conn.clone();
-        let removed: i64 = redis::cmd("DEL").arg(self.key(t, "session")).query_async(&mut conn).await?;
+        let removed: i64 =
+            redis::cmd("DEL").arg(self.key(a, "session")).query_async(&mut conn).await.step("revoke the session")?;
         Ok(removed > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(pairs: &[(&str, &str)]) -> SessionFields {
+        let address = RunAddress { server_instance_id: "srv".into(), component_kind: "run".into() };
+        SessionFields::new(&address, pairs.iter().flat_map(|(k, v)| [k.to_string(), v.to_string()]).collect())
+    }
+
+    const GOOD: [(&str, &str); 10] = [
+        ("token_hash", "secret"),
+        ("session_id", "6f1c1b9e-0c59-4d2b-9d36-5c1f8f0b8a11"),
+        ("generation", "3"),
+        ("started_at_ms", "1700000000000"),
+        ("last_heartbeat_ms", "1700000005000"),
+        ("version", "1.4.2"),
+        ("target", r#"{"os":"linux","arch":"amd64"}"#),
+        ("capabilities", r#"["lifecycle","config"]"#),
+        ("capacity", r#"{"slots":4}"#),
+        ("ttl_ms", "20000"),
+    ];
+
+    #[test]
+    fn a_stored_session_reads_as_typed_fields() {
+        let s = fields(&GOOD).session().expect("session");
+        assert_eq!(s.generation, 3);
+        assert_eq!(s.target, Some(RunTarget { os: "linux".into(), arch: "amd64".into() }));
+        assert_eq!(s.capabilities, vec!["lifecycle".to_string(), "config".to_string()]);
+        assert_eq!(s.capacity.get("slots"), Some(&4));
+        assert_eq!(s.lease_left, Duration::from_secs(20));
+        assert_eq!(s.version.as_deref(), Some("1.4.2"));
+    }
+
+    #[test]
+    fn absent_parts_are_empty_and_bad_parts_are_errors_naming_the_field() {
+        let mut minimal: Vec<(&str, &str)> = GOOD.to_vec();
+        minimal.retain(|(k, _)| !matches!(*k, "target" | "capabilities" | "capacity" | "version"));
+        let s = fields(&minimal).session().expect("session");
+        assert_eq!((s.target, s.capabilities.len(), s.capacity.len(), s.version), (None, 0, 0, None));
+
+        let mut bad = GOOD.to_vec();
+        bad[6] = ("target", "not json");
+        let err = fields(&bad).session().expect_err("corrupt");
+        assert!(err.to_string().contains("srv/run has target = \"not json\""), "{err}");
+        let mut bad = GOOD.to_vec();
+        bad[2] = ("generation", "x");
+        assert!(matches!(fields(&bad).session(), Err(RegistryError::CorruptSession { field: "generation", .. })));
     }
 }

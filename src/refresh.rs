@@ -1,0 +1,179 @@
+//! "The status of these resources must be refreshed": sent by whatever changed what a
+//! status shows (an election, a Run's hello, the runtime registry going or coming back),
+//! received by the reconcilers of the leader replica, whichever replica sent it.
+//!
+//! One path for every signal: a Postgres NOTIFY on a channel per kind, payload
+//! `namespace/name`. Sent inside the transaction that made the change, it is delivered
+//! at commit and never for a rolled-back change; the leader LISTENs and feeds each
+//! notification once into its controllers. A notification missed while the listener
+//! reconnects is caught up by the reconcilers' periodic requeue.
+
+use std::time::Duration;
+
+use kube::runtime::reflector::ObjectRef;
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::mpsc;
+use tracing::warn;
+
+use crate::crd::{ControllerRegistration, RunSession};
+use crate::db::{QueryError, Step};
+
+/// A namespaced resource, named as Kubernetes names it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NamespacedName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl NamespacedName {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self { namespace: namespace.into(), name: name.into() }
+    }
+
+    fn payload(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    fn from_payload(payload: &str) -> Option<Self> {
+        let (namespace, name) = payload.split_once('/')?;
+        (!namespace.is_empty() && !name.is_empty()).then(|| Self::new(namespace, name))
+    }
+}
+
+/// Which reconciler a signal is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Registration,
+    RunSession,
+}
+
+impl Kind {
+    fn channel(self) -> &'static str {
+        match self {
+            Kind::Registration => "prism_registrations",
+            Kind::RunSession => "prism_runsessions",
+        }
+    }
+}
+
+/// Asks for a status refresh of these resources, delivered when the caller's
+/// transaction commits (or at once outside one).
+pub async fn announce<'a>(
+    conn: &mut PgConnection,
+    kind: Kind,
+    resources: impl IntoIterator<Item = &'a NamespacedName>,
+) -> Result<(), QueryError> {
+    let payloads: Vec<String> = resources.into_iter().map(NamespacedName::payload).collect();
+    if payloads.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
+        .bind(kind.channel())
+        .bind(&payloads)
+        .execute(conn)
+        .await
+        .step("refresh: notify")?;
+    Ok(())
+}
+
+/// `announce` on a connection of the pool, for a change that was not a transaction of ours.
+pub async fn announce_now<'a>(
+    pool: &PgPool,
+    kind: Kind,
+    resources: impl IntoIterator<Item = &'a NamespacedName>,
+) -> Result<(), QueryError> {
+    let mut conn = pool.acquire().await.step("refresh: acquire a connection")?;
+    announce(&mut conn, kind, resources).await
+}
+
+/// What the reconcilers receive.
+pub struct Receivers {
+    pub registrations: mpsc::UnboundedReceiver<ObjectRef<ControllerRegistration>>,
+    pub run_sessions: mpsc::UnboundedReceiver<ObjectRef<RunSession>>,
+}
+
+struct Senders {
+    registrations: mpsc::UnboundedSender<ObjectRef<ControllerRegistration>>,
+    run_sessions: mpsc::UnboundedSender<ObjectRef<RunSession>>,
+}
+
+impl Senders {
+    fn deliver(&self, channel: &str, payload: &str) {
+        let Some(target) = NamespacedName::from_payload(payload) else {
+            warn!(channel, payload, "ignoring a refresh signal that names no namespace/name");
+            return;
+        };
+        // A closed receiver means the controllers are stopping: nothing left to refresh.
+        if channel == Kind::Registration.channel() {
+            let _ = self.registrations.send(ObjectRef::new(&target.name).within(&target.namespace));
+        } else if channel == Kind::RunSession.channel() {
+            let _ = self.run_sessions.send(ObjectRef::new(&target.name).within(&target.namespace));
+        }
+    }
+}
+
+/// Listens on both channels until the returned receivers are dropped: returns them and
+/// the listening loop, which the caller runs beside its controllers.
+pub fn listen(pool: PgPool) -> (Receivers, impl Future<Output = ()>) {
+    let (registrations, registrations_rx) = mpsc::unbounded_channel();
+    let (run_sessions, run_sessions_rx) = mpsc::unbounded_channel();
+    let senders = Senders { registrations, run_sessions };
+    let receivers = Receivers { registrations: registrations_rx, run_sessions: run_sessions_rx };
+    (receivers, listen_loop(pool, senders))
+}
+
+async fn listen_loop(pool: PgPool, senders: Senders) {
+    const RETRY: Duration = Duration::from_secs(2);
+    while !senders.registrations.is_closed() {
+        let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                warn!(%error, "refresh signals: cannot connect to LISTEN; retrying");
+                tokio::time::sleep(RETRY).await;
+                continue;
+            }
+        };
+        if let Err(error) = listener.listen_all([Kind::Registration.channel(), Kind::RunSession.channel()]).await {
+            warn!(%error, "refresh signals: LISTEN failed; retrying");
+            tokio::time::sleep(RETRY).await;
+            continue;
+        }
+        loop {
+            match listener.recv().await {
+                Ok(notification) => senders.deliver(notification.channel(), notification.payload()),
+                Err(error) => {
+                    warn!(%error, "refresh signals: listener lost its connection; reconnecting");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_round_trip_and_malformed_ones_are_refused() {
+        let n = NamespacedName::new("agents", "desk-pgr01");
+        assert_eq!(NamespacedName::from_payload(&n.payload()), Some(n));
+        assert_eq!(NamespacedName::from_payload("no-slash"), None);
+        assert_eq!(NamespacedName::from_payload("/name"), None);
+        assert_eq!(NamespacedName::from_payload("ns/"), None);
+    }
+
+    #[test]
+    fn each_signal_reaches_its_own_kind_once() {
+        let (registrations, mut reg_rx) = mpsc::unbounded_channel();
+        let (run_sessions, mut run_rx) = mpsc::unbounded_channel();
+        let senders = Senders { registrations, run_sessions };
+        senders.deliver(Kind::Registration.channel(), "a/r1");
+        senders.deliver(Kind::RunSession.channel(), "b/s1");
+        senders.deliver("other", "c/x");
+        assert_eq!(reg_rx.try_recv().ok(), Some(ObjectRef::new("r1").within("a")));
+        assert!(reg_rx.try_recv().is_err(), "delivered once");
+        assert_eq!(run_rx.try_recv().ok(), Some(ObjectRef::new("s1").within("b")));
+        assert!(run_rx.try_recv().is_err());
+    }
+}
