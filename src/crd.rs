@@ -66,7 +66,7 @@ pub struct ControllerRegistrationSpec {
     /// The project this session registers for.
     #[schemars(length(min = 1, max = 128))]
     pub project_id: String,
-    /// The agent session (SPEC-023 session_id).
+    /// The agent session: one task of one agent, the `session_id` of every prism call.
     #[schemars(length(min = 1, max = 256))]
     pub session_id: String,
     /// Which agent surface the session runs in; desktop sessions preempt the others.

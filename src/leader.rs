@@ -48,7 +48,7 @@ impl LeaseConfig {
 }
 
 fn now() -> MicroTime {
-    MicroTime(k8s_openapi::jiff::Timestamp::from_microsecond(Utc::now().timestamp_micros()).unwrap_or_default())
+    MicroTime(crate::time::to_k8s(Utc::now()).0)
 }
 
 fn expired(spec: &LeaseSpec, duration: Duration) -> bool {
@@ -124,7 +124,9 @@ async fn release(api: &Api<Lease>, cfg: &LeaseConfig) {
     {
         spec.holder_identity = None;
         spec.renew_time = None;
-        let _ = api.replace(&cfg.name, &PostParams::default(), &lease).await;
+        if let Err(error) = api.replace(&cfg.name, &PostParams::default(), &lease).await {
+            warn!(%error, lease = %cfg.name, "could not hand the Lease back; a standby takes it when it expires");
+        }
     }
 }
 

@@ -187,8 +187,12 @@ impl RunClient {
             .json(&json!({"max": max}))
             .send()
             .await?;
-        let v: Value = answer(r).await?;
-        Ok(serde_json::from_value(v["jobs"].clone()).unwrap_or_default())
+        #[derive(Deserialize)]
+        struct Claimed {
+            jobs: Vec<Job>,
+        }
+        let claimed: Claimed = answer(r).await?;
+        Ok(claimed.jobs)
     }
 
     /// `action` is `ack`, `progress` or `complete`.

@@ -36,7 +36,10 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
             Ok(jobs) => {
                 for job in jobs {
                     info!(job = %job.id, kind = %job.kind, "claimed");
-                    let _ = client.step(&job.id, "ack", None).await;
+                    if let Err(e) = client.step(&job.id, "ack", None).await {
+                        warn!(job = %job.id, error = %e, "ack failed; the job returns to the queue at its visibility timeout");
+                        continue;
+                    }
                     if args.complete_jobs {
                         let result = serde_json::json!({"outcome": "succeeded", "result": {"handled_by": "prism-operator demo-run"}});
                         if let Err(e) = client.step(&job.id, "complete", Some(result)).await {

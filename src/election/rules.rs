@@ -155,7 +155,8 @@ pub fn decide(state: &ProjectState, event: &Event) -> Decision {
                     transitions.sort_by_key(|(id, _)| *id == new.id);
                     master_change = Some(MasterChange { previous, master: Some(winner), cause: Cause::Elected });
                 }
-                // Rule 2 (D1): a desktop registering preempts a non-desktop master.
+                // Rule 2: a desktop registering preempts a non-desktop master (only a registration
+                // preempts: a heartbeat or a wrap never does).
                 Some(master) if new.surface.is_desktop() && !master.surface.is_desktop() => {
                     set_master(&mut next.live, new.id);
                     next.term += 1;
