@@ -2,6 +2,7 @@
 
 pub mod registration;
 pub mod run_session;
+pub mod status;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +23,7 @@ use crate::run_registry::RuntimeError;
 use crate::run_registry::service::RuntimeService;
 use crate::telemetry::Metrics;
 pub use crate::triggers::{Receivers, Triggers};
+pub use status::Written;
 
 /// Field manager of every server-side apply this operator makes.
 pub const FIELD_MANAGER: &str = "prism-operator";
@@ -54,50 +56,6 @@ pub struct Context {
     pub reconcile_concurrency: u16,
     pub written_registrations: Written<crate::crd::ControllerRegistrationStatus>,
     pub written_runsessions: Written<crate::crd::RunSessionStatus>,
-}
-
-/// How long a status this replica wrote is preferred over the watch cache's copy.
-const WRITTEN_TTL: Duration = Duration::from_secs(10);
-
-/// The statuses this leader wrote in the last few seconds, by resource uid. The watch
-/// cache lags our own writes: a reconcile that comes sooner (an election trigger)
-/// would compare against the older status, write the same status again and repeat its
-/// Event. After `WRITTEN_TTL` the cache is trusted again, so a status changed by
-/// someone else is still corrected at the next reconcile.
-pub struct Written<S> {
-    entries: std::sync::Mutex<std::collections::HashMap<String, (std::time::Instant, S)>>,
-}
-
-impl<S> Default for Written<S> {
-    fn default() -> Self {
-        Self { entries: Default::default() }
-    }
-}
-
-impl<S: Clone> Written<S> {
-    /// The status to compare against: ours if we wrote one lately, else the cached one.
-    pub fn previous(&self, uid: Option<&str>, cached: Option<&S>) -> Option<S> {
-        let ours = uid.and_then(|uid| {
-            let entries = self.entries.lock().ok()?;
-            entries.get(uid).filter(|(at, _)| at.elapsed() < WRITTEN_TTL).map(|(_, s)| s.clone())
-        });
-        ours.or_else(|| cached.cloned())
-    }
-
-    pub fn wrote(&self, uid: Option<&str>, status: S) {
-        let (Some(uid), Ok(mut entries)) = (uid, self.entries.lock()) else { return };
-        if entries.len() >= 1024 {
-            entries.retain(|_, (at, _)| at.elapsed() < WRITTEN_TTL);
-        }
-        entries.insert(uid.to_string(), (std::time::Instant::now(), status));
-    }
-
-    /// Forgets everything: another leader may have written since.
-    pub fn clear(&self) {
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.clear();
-        }
-    }
 }
 
 pub fn recorder(client: Client) -> Recorder {
@@ -340,18 +298,6 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_status_we_just_wrote_wins_over_the_lagging_cache() {
-        let written: Written<&str> = Written::default();
-        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "nothing written yet");
-        written.wrote(Some("uid-1"), "ours");
-        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("ours"));
-        assert_eq!(written.previous(Some("uid-2"), Some(&"other")), Some("other"), "per resource");
-        assert_eq!(written.previous(None, None), None);
-        written.clear();
-        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "a new term trusts the cache");
-    }
 
     #[test]
     fn only_generation_deletion_and_finalizers_trigger_a_reconcile() {

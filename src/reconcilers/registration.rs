@@ -11,13 +11,14 @@ use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event as KubeEvent, EventType};
-use kube::{Api, Resource, ResourceExt};
+use kube::runtime::events::EventType;
+use kube::{Api, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Context, ControllerError, FIELD_MANAGER, condition, to_time};
+use super::status::{ObservedStatus, StatusEvent, publish, write_status};
+use super::{Context, ControllerError, condition, to_time};
 use crate::crd::{
     ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, REGISTRATION_FINALIZER as FINALIZER,
     RegistrationRef, ReleaseReason, Role, is_label_value,
@@ -25,8 +26,34 @@ use crate::crd::{
 use crate::election::NewRegistration;
 use crate::election::store::{ProjectView, RegisterOutcome, Registration};
 
-/// `status.lastHeartbeat` is refreshed at most this often: never a status write per beat.
-pub const HEARTBEAT_STATUS_RESOLUTION: Duration = Duration::from_secs(30);
+/// A registration's `status.lastHeartbeat` is refreshed at most this often, and live
+/// registrations come back this often to refresh it and the Stale condition.
+pub const REGISTRATION_HEARTBEAT_RESOLUTION: Duration = Duration::from_secs(30);
+
+impl ObservedStatus for ControllerRegistrationStatus {
+    const HEARTBEAT_RESOLUTION: Duration = REGISTRATION_HEARTBEAT_RESOLUTION;
+    const EVENT_ACTION: &'static str = "Elect";
+
+    fn last_heartbeat(&self) -> Option<&Time> {
+        self.last_heartbeat.as_ref()
+    }
+
+    fn stable(&self) -> Self {
+        let mut s = self.clone();
+        s.last_heartbeat = None;
+        // The Stale message carries the heartbeat age; compare its status only.
+        for c in &mut s.conditions {
+            if c.type_ == "Stale" {
+                c.message.clear();
+            }
+        }
+        s
+    }
+
+    fn event(previous: &Self, next: &Self) -> Option<StatusEvent> {
+        role_event(previous, next)
+    }
+}
 
 pub async fn reconcile(obj: Arc<ControllerRegistration>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
     let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
@@ -142,22 +169,11 @@ async fn apply(
             duplicate_status(existing, obj.metadata.generation, &previous, now)
         }
     };
-    if status_needs_write(&previous, &next) {
-        let patch = json!({
-            "apiVersion": "prism.ntecdev.ai/v1alpha1",
-            "kind": "ControllerRegistration",
-            "status": next,
-        });
-        api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
-        ctx.written_registrations.wrote(obj.uid().as_deref(), next.clone());
-    }
-    if let Some((type_, reason, note)) = role_event(&previous, &next) {
-        publish(ctx, obj, type_, reason, note).await;
-    }
+    write_status(api, &ctx.recorder, &ctx.written_registrations, obj, &previous, &next).await?;
 
     Ok(match next.role {
         // Live registrations come back to refresh lastHeartbeat and the Stale condition.
-        Role::Master | Role::Peer => Action::requeue(HEARTBEAT_STATUS_RESOLUTION),
+        Role::Master | Role::Peer => Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION),
         Role::Pending => Action::requeue(Duration::from_secs(60)),
         Role::Released => Action::await_change(),
     })
@@ -178,7 +194,8 @@ async fn cleanup(
     ctx.triggers.registrations(touched.into_iter().filter(|t| t.name != obj.name_any()));
     if was_live {
         info!(namespace = ?obj.namespace(), name = %obj.name_any(), "registration wrapped");
-        publish(ctx, obj, EventType::Normal, "Released", "released: wrapped (resource deleted)".into()).await;
+        let event = (EventType::Normal, "Released", "released: wrapped (resource deleted)".to_string());
+        publish(&ctx.recorder, obj, event, ControllerRegistrationStatus::EVENT_ACTION).await;
     }
     // The list without ours, guarded by resourceVersion: a concurrent change of the
     // finalizers makes this a conflict (retried) rather than dropping someone else's.
@@ -300,33 +317,8 @@ fn released_reason(r: ReleaseReason) -> &'static str {
     }
 }
 
-/// Whether to write: anything but lastHeartbeat changed, or lastHeartbeat moved by at
-/// least the status resolution.
-pub fn status_needs_write(previous: &ControllerRegistrationStatus, next: &ControllerRegistrationStatus) -> bool {
-    let secs = |t: &Option<Time>| t.as_ref().map(|t| t.0.as_second());
-    let beat_moved = match (secs(&previous.last_heartbeat), secs(&next.last_heartbeat)) {
-        (Some(a), Some(b)) => (b - a).unsigned_abs() >= HEARTBEAT_STATUS_RESOLUTION.as_secs(),
-        (a, b) => a != b,
-    };
-    let strip = |s: &ControllerRegistrationStatus| {
-        let mut s = s.clone();
-        s.last_heartbeat = None;
-        // The Stale message carries the heartbeat age; compare its status only.
-        for c in &mut s.conditions {
-            if c.type_ == "Stale" {
-                c.message.clear();
-            }
-        }
-        s
-    };
-    beat_moved || strip(previous) != strip(next)
-}
-
 /// The Event for a change of role, if the role changed.
-pub fn role_event(
-    previous: &ControllerRegistrationStatus,
-    next: &ControllerRegistrationStatus,
-) -> Option<(EventType, &'static str, String)> {
+pub fn role_event(previous: &ControllerRegistrationStatus, next: &ControllerRegistrationStatus) -> Option<StatusEvent> {
     let master_name = next.master.as_ref().map(|m| m.name.as_str()).unwrap_or("none");
     let term = next.term.unwrap_or_default();
     match (previous.role, next.role) {
@@ -357,16 +349,10 @@ pub fn role_event(
     }
 }
 
-async fn publish(ctx: &Context, obj: &ControllerRegistration, type_: EventType, reason: &str, note: String) {
-    let event = KubeEvent { type_, reason: reason.into(), note: Some(note), action: "Elect".into(), secondary: None };
-    if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
-        warn!(name = %obj.name_any(), error = %e, "could not record an Event");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconcilers::status::needs_write;
     use chrono::TimeZone;
 
     fn row(name: &str, master: bool) -> Registration {
@@ -429,8 +415,9 @@ mod tests {
             let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![] };
             build_status(&later, &view, None, Some(1), &a, chrono::Duration::minutes(10), later.last_heartbeat)
         };
-        assert!(!status_needs_write(&a, &beaten(10)), "10 s of heartbeat is not worth a write");
-        assert!(status_needs_write(&a, &beaten(35)));
+        assert!(!needs_write(&a, &beaten(10)), "10 s of heartbeat is not worth a write");
+        assert!(!needs_write(&a, &beaten(29)));
+        assert!(needs_write(&a, &beaten(35)));
     }
 
     #[test]

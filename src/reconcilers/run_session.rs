@@ -8,23 +8,39 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event as KubeEvent, EventType};
+use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::{Api, Resource, ResourceExt};
-use serde_json::json;
+use kube::{Api, ResourceExt};
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Context, ControllerError, FIELD_MANAGER, condition, to_time};
+use super::status::{ObservedStatus, StatusEvent, write_status};
+use super::{Context, ControllerError, condition, to_time};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
 use crate::run_registry::identity::{Identity, Mirror};
 use crate::run_registry::{RuntimeError, Session};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
-/// lastHeartbeat alone is written at most this often.
-const HEARTBEAT_STATUS_RESOLUTION: i64 = 10;
+/// A RunSession's `status.lastHeartbeat` alone is written at most this often.
+pub const RUNSESSION_HEARTBEAT_RESOLUTION: Duration = Duration::from_secs(10);
+
+impl ObservedStatus for RunSessionStatus {
+    const HEARTBEAT_RESOLUTION: Duration = RUNSESSION_HEARTBEAT_RESOLUTION;
+    const EVENT_ACTION: &'static str = "Observe";
+
+    fn last_heartbeat(&self) -> Option<&Time> {
+        self.last_heartbeat.as_ref()
+    }
+
+    fn stable(&self) -> Self {
+        RunSessionStatus { last_heartbeat: None, ..self.clone() }
+    }
+
+    fn event(previous: &Self, next: &Self) -> Option<StatusEvent> {
+        phase_event(previous, next)
+    }
+}
 
 impl From<RuntimeError> for ControllerError {
     fn from(e: RuntimeError) -> Self {
@@ -103,34 +119,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
             }
         }
     };
-    if needs_write(&previous, &next) {
-        let patch = json!({"apiVersion": "prism.ntecdev.ai/v1alpha1", "kind": "RunSession", "status": next});
-        api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
-        ctx.written_runsessions.wrote(obj.uid().as_deref(), next.clone());
-    }
-    if previous.phase != next.phase {
-        let (type_, reason, note) = match next.phase {
-            RunPhase::Online => (
-                EventType::Normal,
-                "Online",
-                format!("session started, version {}", next.version.clone().unwrap_or_default()),
-            ),
-            RunPhase::Offline => {
-                (EventType::Normal, "Offline", format!("offline: {}", reason_str(next.unavailable_reason)))
-            }
-            RunPhase::Unavailable => {
-                (EventType::Warning, "Unavailable", "runtime registry (Redis) unavailable".to_string())
-            }
-            RunPhase::Pending => {
-                (EventType::Warning, "DuplicateIdentity", "identity claimed by another RunSession".to_string())
-            }
-        };
-        let event =
-            KubeEvent { type_, reason: reason.into(), note: Some(note), action: "Observe".into(), secondary: None };
-        if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
-            warn!(name = %obj.name_any(), error = %e, "could not record an Event");
-        }
-    }
+    write_status(api, &ctx.recorder, &ctx.written_runsessions, obj, &previous, &next).await?;
     Ok(Action::requeue(requeue))
 }
 
@@ -269,19 +258,33 @@ fn duplicate_status(
     }
 }
 
-fn needs_write(previous: &RunSessionStatus, next: &RunSessionStatus) -> bool {
-    let secs = |t: &Option<Time>| t.as_ref().map(|t| t.0.as_second());
-    let beat_moved = match (secs(&previous.last_heartbeat), secs(&next.last_heartbeat)) {
-        (Some(a), Some(b)) => (b - a).abs() >= HEARTBEAT_STATUS_RESOLUTION,
-        (a, b) => a != b,
-    };
-    let strip = |s: &RunSessionStatus| RunSessionStatus { last_heartbeat: None, ..s.clone() };
-    beat_moved || strip(previous) != strip(next)
+/// The Event for a change of phase, if the phase changed.
+pub fn phase_event(previous: &RunSessionStatus, next: &RunSessionStatus) -> Option<StatusEvent> {
+    if previous.phase == next.phase {
+        return None;
+    }
+    Some(match next.phase {
+        RunPhase::Online => (
+            EventType::Normal,
+            "Online",
+            format!("session started, version {}", next.version.clone().unwrap_or_default()),
+        ),
+        RunPhase::Offline => {
+            (EventType::Normal, "Offline", format!("offline: {}", reason_str(next.unavailable_reason)))
+        }
+        RunPhase::Unavailable => {
+            (EventType::Warning, "Unavailable", "runtime registry (Redis) unavailable".to_string())
+        }
+        RunPhase::Pending => {
+            (EventType::Warning, "DuplicateIdentity", "identity claimed by another RunSession".to_string())
+        }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconcilers::status::needs_write;
 
     fn session() -> Session {
         Session {
@@ -321,6 +324,22 @@ mod tests {
             Some(UnavailableReason::CredentialRotated),
             "the reason sticks while offline"
         );
+    }
+
+    #[test]
+    fn heartbeat_alone_is_written_at_most_every_10_seconds() {
+        let now = Utc::now();
+        let first = project(Some(&session()), &Default::default(), false, Some(1), now);
+        let beaten = |ms: i64| {
+            let mut s = session();
+            s.last_heartbeat_ms += ms;
+            project(Some(&s), &first, false, Some(1), now)
+        };
+        assert!(!needs_write(&first, &beaten(5_000)));
+        assert!(needs_write(&first, &beaten(10_000)));
+        assert!(phase_event(&first, &beaten(10_000)).is_none(), "no Event without a change of phase");
+        let offline = project(None, &first, false, Some(1), now);
+        assert_eq!(phase_event(&first, &offline).map(|e| e.1), Some("Offline"));
     }
 
     #[test]
