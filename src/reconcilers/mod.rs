@@ -1,21 +1,27 @@
-//! Reconcilers (glue only) and the background loops that run beside them.
+//! Reconcilers (glue only) and the background loops that run beside them. Both kinds
+//! share one reconcile skeleton (`reconcile`): a span naming the object, kube's
+//! `finalizer()` helper, the kind's apply or cleanup, metrics. What differs by kind is
+//! `Reconciled` (and `status::ObservedStatus` for the status writer).
 
 pub mod registration;
 pub mod run_session;
 pub mod status;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use kube::core::object::HasStatus;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::finalizer::{self, Event as Finalizer, finalizer};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{PredicateConfig, WatchStreamExt, watcher};
-use kube::{Api, Client, Resource};
+use kube::{Api, Client, Resource, ResourceExt};
 
 use tokio::sync::mpsc;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, instrument, warn};
 
 use crate::crd::{ControllerRegistration, RunSession};
 use crate::election::{ElectionError, ElectionStore, Touched};
@@ -40,8 +46,6 @@ pub enum ControllerError {
     Finalizer(Box<kube::runtime::finalizer::Error<ControllerError>>),
     #[error("resource has no {0}")]
     MissingField(&'static str),
-    #[error("{0} kept changing under us; retrying")]
-    Conflict(&'static str),
 }
 
 pub struct Context {
@@ -56,6 +60,76 @@ pub struct Context {
     pub reconcile_concurrency: u16,
     pub written_registrations: Written<crate::crd::ControllerRegistrationStatus>,
     pub written_runsessions: Written<crate::crd::RunSessionStatus>,
+}
+
+/// What a kind brings to the shared reconcile skeleton.
+pub trait Reconciled:
+    Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+    + HasStatus<Status: status::ObservedStatus>
+    + Clone
+    + std::fmt::Debug
+    + serde::Serialize
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+    /// Held by every resource of the kind until `cleanup` succeeded.
+    const FINALIZER: &'static str;
+    /// The `controller` label of the reconcile metrics.
+    const METRIC: &'static str;
+
+    /// The resource exists (and carries the finalizer): bring the world and its status in line.
+    fn apply(
+        obj: Arc<Self>,
+        api: &Api<Self>,
+        ctx: &Context,
+    ) -> impl Future<Output = Result<Action, ControllerError>> + Send;
+
+    /// The resource is being deleted: undo what it stood for. The finalizer goes after this succeeds.
+    fn cleanup(obj: Arc<Self>, ctx: &Context) -> impl Future<Output = Result<Action, ControllerError>> + Send;
+}
+
+/// One reconcile of either kind.
+#[instrument(
+    name = "reconcile",
+    skip_all,
+    fields(kind = %K::kind(&()), namespace = obj.namespace().as_deref().unwrap_or_default(), name = %obj.name_any())
+)]
+pub async fn reconcile<K: Reconciled>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
+    let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
+    let started = std::time::Instant::now();
+    let result = finalized(&api, K::FINALIZER, obj.clone(), |event| async {
+        match event {
+            Finalizer::Apply(obj) => K::apply(obj, &api, &ctx).await,
+            Finalizer::Cleanup(obj) => K::cleanup(obj, &ctx).await,
+        }
+    })
+    .await;
+    ctx.metrics.reconciled(K::METRIC, started.elapsed(), result.is_err());
+    result
+}
+
+/// kube's `finalizer()`: adds the finalizer when missing (and waits for that change to
+/// come back as the next reconcile), runs `reconcile` with Apply or Cleanup, removes the
+/// finalizer after a successful Cleanup.
+pub async fn finalized<K, Fut>(
+    api: &Api<K>,
+    name: &str,
+    obj: Arc<K>,
+    reconcile: impl FnOnce(Finalizer<K>) -> Fut,
+) -> Result<Action, ControllerError>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::Serialize + serde::de::DeserializeOwned,
+    Fut: Future<Output = Result<Action, ControllerError>>,
+{
+    match finalizer(api, name, obj, reconcile).await {
+        // The resource went away before our finalizer was removed (someone else removed
+        // it): nothing is left to hold, the cleanup is done.
+        Err(finalizer::Error::RemoveFinalizer(kube::Error::Api(s))) if s.code == 404 => Ok(Action::await_change()),
+        result => result.map_err(|e| ControllerError::Finalizer(Box::new(e))),
+    }
 }
 
 pub fn recorder(client: Client) -> Recorder {
@@ -193,13 +267,13 @@ pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace:
         .with_config(config.clone())
         .reconcile_on(receiver_stream(receivers.registrations))
         .shutdown_on_signal()
-        .run(registration::reconcile, error_policy, ctx.clone())
+        .run(reconcile::<ControllerRegistration>, error_policy, ctx.clone())
         .for_each(drain);
     let runsessions = controller_for(api_for::<RunSession>(&ctx.client, &namespace))
         .with_config(config)
         .reconcile_on(receiver_stream(receivers.runsessions))
         .shutdown_on_signal()
-        .run(run_session::reconcile, error_policy, ctx.clone())
+        .run(reconcile::<RunSession>, error_policy, ctx.clone())
         .for_each(drain);
     futures::join!(registrations, runsessions);
 }

@@ -10,13 +10,12 @@ use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Api, ResourceExt};
 use tracing::{info, warn};
 use uuid::Uuid;
 
 use super::status::{ObservedStatus, StatusEvent, write_status};
-use super::{Context, ControllerError, condition, to_time};
+use super::{Context, ControllerError, Reconciled, condition, to_time};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus, RunTarget, UnavailableReason};
 use crate::run_registry::identity::{Identity, Mirror};
 use crate::run_registry::{RuntimeError, Session};
@@ -24,6 +23,19 @@ use crate::run_registry::{RuntimeError, Session};
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
 /// A RunSession's `status.lastHeartbeat` alone is written at most this often.
 pub const RUNSESSION_HEARTBEAT_RESOLUTION: Duration = Duration::from_secs(10);
+
+impl Reconciled for RunSession {
+    const FINALIZER: &'static str = FINALIZER;
+    const METRIC: &'static str = "runsession";
+
+    async fn apply(obj: Arc<Self>, api: &Api<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+        apply(&obj, api, ctx).await
+    }
+
+    async fn cleanup(obj: Arc<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+        cleanup(&obj, ctx).await
+    }
+}
 
 impl ObservedStatus for RunSessionStatus {
     const HEARTBEAT_RESOLUTION: Duration = RUNSESSION_HEARTBEAT_RESOLUTION;
@@ -62,22 +74,6 @@ fn identity_of(obj: &RunSession) -> Result<Identity, ControllerError> {
     })
 }
 
-pub async fn reconcile(obj: Arc<RunSession>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
-    let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
-    let api: Api<RunSession> = Api::namespaced(ctx.client.clone(), &ns);
-    let started = std::time::Instant::now();
-    let result = finalizer(&api, FINALIZER, obj, |event| async {
-        match event {
-            Finalizer::Apply(obj) => apply(&obj, &api, &ctx).await,
-            Finalizer::Cleanup(obj) => cleanup(&obj, &ctx).await,
-        }
-    })
-    .await
-    .map_err(|e| ControllerError::Finalizer(Box::new(e)));
-    ctx.metrics.reconciled("runsession", started.elapsed(), result.is_err());
-    result
-}
-
 async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
     let target = identity.target();
@@ -98,7 +94,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
             if rotated {
                 // Raising the generation revokes every older key, and the session it opened.
                 rotated_now = ctx.runtime.redis.revoke(&target).await.unwrap_or(false);
-                info!(name = %obj.name_any(), "credential rotated; live session revoked");
+                info!("credential rotated; live session revoked");
             }
             let lease = Duration::from_secs(u64::from(ctx.runtime.lease_seconds(&identity)));
             match ctx.runtime.redis.session(&target).await {
@@ -113,7 +109,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
                     (project(session.as_ref(), &previous, rotated_now, generation, now), requeue)
                 }
                 Err(e) => {
-                    warn!(name = %obj.name_any(), error = %e, "Redis unavailable; RunSession shown Unavailable");
+                    warn!(error = %e, "Redis unavailable; RunSession shown Unavailable");
                     (unavailable(&previous, generation, now), Duration::from_secs(5))
                 }
             }
@@ -129,7 +125,7 @@ async fn cleanup(obj: &RunSession, ctx: &Context) -> Result<Action, ControllerEr
     let identity = identity_of(obj)?;
     if ctx.runtime.identities.revoke(identity.id).await? {
         ctx.runtime.redis.revoke(&identity.target()).await?;
-        info!(name = %obj.name_any(), "RunSession deleted; identity revoked");
+        info!("RunSession deleted; identity revoked");
     }
     Ok(Action::await_change())
 }
