@@ -63,6 +63,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         reconcile_concurrency: args.reconcile_concurrency,
         written_registrations: Default::default(),
         written_runsessions: Default::default(),
+        failures: Default::default(),
     });
     // Controllers, the stale sweep, the job reaper and the registry watch: on the Lease
     // holder only when leader election is on; every replica serves the HTTP API.

@@ -1,8 +1,10 @@
 //! Reconcilers (glue only) and the background loops that run beside them. Both kinds
 //! share one reconcile skeleton (`reconcile`): a span naming the object, kube's
-//! `finalizer()` helper, the kind's apply or cleanup, metrics. What differs by kind is
-//! `Reconciled` (and `status::ObservedStatus` for the status writer).
+//! `finalizer()` helper, the kind's apply or cleanup, metrics, and a per-object
+//! exponential backoff on failure (`error_policy`). What differs by kind is `Reconciled`
+//! (and `status::ObservedStatus` for the status writer).
 
+pub mod backoff;
 pub mod registration;
 pub mod run_session;
 pub mod status;
@@ -29,6 +31,7 @@ use crate::run_registry::RuntimeError;
 use crate::run_registry::service::RuntimeService;
 use crate::telemetry::Metrics;
 pub use crate::triggers::{Receivers, Triggers};
+pub use backoff::Failures;
 pub use status::Written;
 
 /// Field manager of every server-side apply this operator makes.
@@ -60,6 +63,8 @@ pub struct Context {
     pub reconcile_concurrency: u16,
     pub written_registrations: Written<crate::crd::ControllerRegistrationStatus>,
     pub written_runsessions: Written<crate::crd::RunSessionStatus>,
+    /// Consecutive reconcile failures per object, for `error_policy`'s backoff.
+    pub failures: Failures,
 }
 
 /// What a kind brings to the shared reconcile skeleton.
@@ -108,6 +113,9 @@ pub async fn reconcile<K: Reconciled>(obj: Arc<K>, ctx: Arc<Context>) -> Result<
     })
     .await;
     ctx.metrics.reconciled(K::METRIC, started.elapsed(), result.is_err());
+    if result.is_ok() {
+        ctx.failures.succeeded(&retry_key(&*obj));
+    }
     result
 }
 
@@ -130,6 +138,11 @@ where
         Err(finalizer::Error::RemoveFinalizer(kube::Error::Api(s))) if s.code == 404 => Ok(Action::await_change()),
         result => result.map_err(|e| ControllerError::Finalizer(Box::new(e))),
     }
+}
+
+/// The object a retry count belongs to.
+fn retry_key<K: Resource<DynamicType = ()>>(obj: &K) -> String {
+    format!("{}/{}/{}", K::kind(&()), obj.namespace().unwrap_or_default(), obj.name_any())
 }
 
 pub fn recorder(client: Client) -> Recorder {
@@ -170,9 +183,19 @@ pub fn condition(
     }
 }
 
-fn error_policy<K>(_obj: Arc<K>, error: &ControllerError, _ctx: Arc<Context>) -> Action {
-    warn!(%error, "reconcile failed; retrying in 5 s");
-    Action::requeue(Duration::from_secs(5))
+/// A failed reconcile comes back after a wait that doubles with each consecutive
+/// failure of the same object (see `backoff`).
+fn error_policy<K: Resource<DynamicType = ()>>(obj: Arc<K>, error: &ControllerError, ctx: Arc<Context>) -> Action {
+    let retry_in = ctx.failures.failed(retry_key(&*obj));
+    warn!(
+        kind = %K::kind(&()),
+        namespace = obj.namespace().as_deref().unwrap_or_default(),
+        name = %obj.name_any(),
+        %error,
+        retry_in_s = retry_in.as_secs(),
+        "reconcile failed; retrying"
+    );
+    Action::requeue(retry_in)
 }
 
 fn api_for<K>(client: &Client, namespace: &Option<String>) -> Api<K>
