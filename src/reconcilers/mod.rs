@@ -9,6 +9,9 @@ pub mod registration;
 pub mod run_session;
 pub mod status;
 
+#[cfg(test)]
+mod mock_api_tests;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
