@@ -99,10 +99,16 @@ pub trait Reconciled:
 }
 
 /// One reconcile of either kind.
+// Dotted field names, as kube's own "reconciling object" span has: a plain `name` would
+// collide with the span's name in JSON logs.
 #[instrument(
     name = "reconcile",
     skip_all,
-    fields(kind = %K::kind(&()), namespace = obj.namespace().as_deref().unwrap_or_default(), name = %obj.name_any())
+    fields(
+        object.kind = %K::kind(&()),
+        object.namespace = obj.namespace().as_deref().unwrap_or_default(),
+        object.name = %obj.name_any(),
+    )
 )]
 pub async fn reconcile<K: Reconciled>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
     let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
