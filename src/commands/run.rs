@@ -101,6 +101,7 @@ fn start_leader_work(
         reconcile_concurrency: args.reconcile_concurrency,
         written_registrations: Default::default(),
         written_runsessions: Default::default(),
+        failures: Default::default(),
     });
     let namespace = args.watch_namespace.clone();
     let stale = args.peer_stale_minutes;

@@ -1,20 +1,32 @@
-//! Reconcilers (glue only) and the background loops that run beside them.
+//! Reconcilers (glue only) and the background loops that run beside them. Both kinds
+//! share one reconcile skeleton (`reconcile`): a span naming the object, kube's
+//! `finalizer()` helper, the kind's apply or cleanup, metrics, and a per-object
+//! exponential backoff on failure (`error_policy`). What differs by kind is `Reconciled`
+//! (and `status::ObservedStatus` for the status writer).
 
+pub mod backoff;
 pub mod registration;
 pub mod run_session;
+pub mod status;
 
+#[cfg(test)]
+mod mock_api_tests;
+
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use kube::core::object::HasStatus;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::finalizer::{self, Event as Finalizer, finalizer};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{PredicateConfig, WatchStreamExt, watcher};
-use kube::{Api, Client, Resource};
+use kube::{Api, Client, Resource, ResourceExt};
 
 use tokio::sync::mpsc;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, instrument, warn};
 
 use crate::crd::{ControllerRegistration, RunSession};
 use crate::election::{ElectionError, ElectionStore};
@@ -23,6 +35,8 @@ use crate::run_registry::RegistryError;
 use crate::run_registry::service::RuntimeService;
 use crate::telemetry::Metrics;
 use crate::time::to_k8s;
+pub use backoff::Failures;
+pub use status::Written;
 
 /// Field manager of every server-side apply this operator makes.
 pub const FIELD_MANAGER: &str = "prism-operator";
@@ -39,8 +53,6 @@ pub enum ControllerError {
     Finalizer(Box<kube::runtime::finalizer::Error<ControllerError>>),
     #[error("resource has no {0}")]
     MissingField(&'static str),
-    #[error("{0} kept changing under us; retrying")]
-    Conflict(&'static str),
 }
 
 pub struct Context {
@@ -54,50 +66,92 @@ pub struct Context {
     pub reconcile_concurrency: u16,
     pub written_registrations: Written<crate::crd::ControllerRegistrationStatus>,
     pub written_runsessions: Written<crate::crd::RunSessionStatus>,
+    /// Consecutive reconcile failures per object, for `error_policy`'s backoff.
+    pub failures: Failures,
 }
 
-/// How long a status this replica wrote is preferred over the watch cache's copy.
-const WRITTEN_TTL: Duration = Duration::from_secs(10);
+/// What a kind brings to the shared reconcile skeleton.
+pub trait Reconciled:
+    Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+    + HasStatus<Status: status::ObservedStatus>
+    + Clone
+    + std::fmt::Debug
+    + serde::Serialize
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+    /// Held by every resource of the kind until `cleanup` succeeded.
+    const FINALIZER: &'static str;
+    /// The `controller` label of the reconcile metrics.
+    const METRIC: &'static str;
 
-/// The statuses this leader wrote in the last few seconds, by resource uid. The watch
-/// cache lags our own writes: a reconcile that comes sooner (an election trigger)
-/// would compare against the older status, write the same status again and repeat its
-/// Event. After `WRITTEN_TTL` the cache is trusted again, so a status changed by
-/// someone else is still corrected at the next reconcile.
-pub struct Written<S> {
-    entries: std::sync::Mutex<std::collections::HashMap<String, (std::time::Instant, S)>>,
+    /// The resource exists (and carries the finalizer): bring the world and its status in line.
+    fn apply(
+        obj: Arc<Self>,
+        api: &Api<Self>,
+        ctx: &Context,
+    ) -> impl Future<Output = Result<Action, ControllerError>> + Send;
+
+    /// The resource is being deleted: undo what it stood for. The finalizer goes after this succeeds.
+    fn cleanup(obj: Arc<Self>, ctx: &Context) -> impl Future<Output = Result<Action, ControllerError>> + Send;
 }
 
-impl<S> Default for Written<S> {
-    fn default() -> Self {
-        Self { entries: Default::default() }
-    }
-}
-
-impl<S: Clone> Written<S> {
-    /// The status to compare against: ours if we wrote one lately, else the cached one.
-    pub fn previous(&self, uid: Option<&str>, cached: Option<&S>) -> Option<S> {
-        let ours = uid.and_then(|uid| {
-            let entries = self.entries.lock().ok()?;
-            entries.get(uid).filter(|(at, _)| at.elapsed() < WRITTEN_TTL).map(|(_, s)| s.clone())
-        });
-        ours.or_else(|| cached.cloned())
-    }
-
-    pub fn wrote(&self, uid: Option<&str>, status: S) {
-        let (Some(uid), Ok(mut entries)) = (uid, self.entries.lock()) else { return };
-        if entries.len() >= 1024 {
-            entries.retain(|_, (at, _)| at.elapsed() < WRITTEN_TTL);
+/// One reconcile of either kind.
+// Dotted field names, as kube's own "reconciling object" span has: a plain `name` would
+// collide with the span's name in JSON logs.
+#[instrument(
+    name = "reconcile",
+    skip_all,
+    fields(
+        object.kind = %K::kind(&()),
+        object.namespace = obj.namespace().as_deref().unwrap_or_default(),
+        object.name = %obj.name_any(),
+    )
+)]
+pub async fn reconcile<K: Reconciled>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
+    let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
+    let started = std::time::Instant::now();
+    let result = finalized(&api, K::FINALIZER, obj.clone(), |event| async {
+        match event {
+            Finalizer::Apply(obj) => K::apply(obj, &api, &ctx).await,
+            Finalizer::Cleanup(obj) => K::cleanup(obj, &ctx).await,
         }
-        entries.insert(uid.to_string(), (std::time::Instant::now(), status));
+    })
+    .await;
+    ctx.metrics.reconciled(K::METRIC, started.elapsed(), result.is_err());
+    if result.is_ok() {
+        ctx.failures.succeeded(&retry_key(&*obj));
     }
+    result
+}
 
-    /// Forgets everything: another leader may have written since.
-    pub fn clear(&self) {
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.clear();
-        }
+/// kube's `finalizer()`: adds the finalizer when missing (and waits for that change to
+/// come back as the next reconcile), runs `reconcile` with Apply or Cleanup, removes the
+/// finalizer after a successful Cleanup.
+pub async fn finalized<K, Fut>(
+    api: &Api<K>,
+    name: &str,
+    obj: Arc<K>,
+    reconcile: impl FnOnce(Finalizer<K>) -> Fut,
+) -> Result<Action, ControllerError>
+where
+    K: Resource + Clone + std::fmt::Debug + serde::Serialize + serde::de::DeserializeOwned,
+    Fut: Future<Output = Result<Action, ControllerError>>,
+{
+    match finalizer(api, name, obj, reconcile).await {
+        // The resource went away before our finalizer was removed (someone else removed
+        // it): nothing is left to hold, the cleanup is done.
+        Err(finalizer::Error::RemoveFinalizer(kube::Error::Api(s))) if s.code == 404 => Ok(Action::await_change()),
+        result => result.map_err(|e| ControllerError::Finalizer(Box::new(e))),
     }
+}
+
+/// The object a retry count belongs to.
+fn retry_key<K: Resource<DynamicType = ()>>(obj: &K) -> String {
+    format!("{}/{}/{}", K::kind(&()), obj.namespace().unwrap_or_default(), obj.name_any())
 }
 
 pub fn recorder(client: Client) -> Recorder {
@@ -131,9 +185,19 @@ pub fn condition(
     }
 }
 
-fn error_policy<K>(_obj: Arc<K>, error: &ControllerError, _ctx: Arc<Context>) -> Action {
-    warn!(%error, "reconcile failed; retrying in 5 s");
-    Action::requeue(Duration::from_secs(5))
+/// A failed reconcile comes back after a wait that doubles with each consecutive
+/// failure of the same object (see `backoff`).
+fn error_policy<K: Resource<DynamicType = ()>>(obj: Arc<K>, error: &ControllerError, ctx: Arc<Context>) -> Action {
+    let retry_in = ctx.failures.failed(retry_key(&*obj));
+    warn!(
+        kind = %K::kind(&()),
+        namespace = obj.namespace().as_deref().unwrap_or_default(),
+        name = %obj.name_any(),
+        %error,
+        retry_in_s = retry_in.as_secs(),
+        "reconcile failed; retrying"
+    );
+    Action::requeue(retry_in)
 }
 
 fn api_for<K>(client: &Client, namespace: &Option<String>) -> Api<K>
@@ -189,13 +253,13 @@ pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace:
         .with_config(config.clone())
         .reconcile_on(receiver_stream(receivers.registrations))
         .shutdown_on_signal()
-        .run(registration::reconcile, error_policy, ctx.clone())
+        .run(reconcile::<ControllerRegistration>, error_policy, ctx.clone())
         .for_each(log_outcome);
     let runsessions = controller_for(api_for::<RunSession>(&ctx.client, &namespace))
         .with_config(config)
         .reconcile_on(receiver_stream(receivers.run_sessions))
         .shutdown_on_signal()
-        .run(run_session::reconcile, error_policy, ctx.clone())
+        .run(reconcile::<RunSession>, error_policy, ctx.clone())
         .for_each(log_outcome);
     futures::join!(registrations, runsessions);
 }
@@ -297,18 +361,6 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_status_we_just_wrote_wins_over_the_lagging_cache() {
-        let written: Written<&str> = Written::default();
-        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "nothing written yet");
-        written.wrote(Some("uid-1"), "ours");
-        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("ours"));
-        assert_eq!(written.previous(Some("uid-2"), Some(&"other")), Some("other"), "per resource");
-        assert_eq!(written.previous(None, None), None);
-        written.clear();
-        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "a new term trusts the cache");
-    }
 
     #[test]
     fn only_generation_deletion_and_finalizers_trigger_a_reconcile() {

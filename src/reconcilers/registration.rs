@@ -11,93 +11,114 @@ use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event as KubeEvent, EventType};
-use kube::{Api, Resource, ResourceExt};
+use kube::runtime::events::EventType;
+use kube::{Api, ResourceExt};
 use serde_json::json;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Context, ControllerError, FIELD_MANAGER, condition};
+use super::status::{ObservedStatus, StatusEvent, publish, write_status};
+use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{
-    ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, REGISTRATION_FINALIZER as FINALIZER,
-    RegistrationRef, ReleaseReason, Role, is_label_value,
+    ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, REGISTRATION_FINALIZER, RegistrationRef,
+    ReleaseReason, Role, is_label_value,
 };
 use crate::election::NewRegistration;
 use crate::election::store::{ProjectView, RegisterOutcome, Registration};
 use crate::time::to_k8s;
 
-/// `status.lastHeartbeat` is refreshed at most this often: never a status write per beat.
-pub const HEARTBEAT_STATUS_RESOLUTION: Duration = Duration::from_secs(30);
+/// A registration's `status.lastHeartbeat` is refreshed at most this often, and live
+/// registrations come back this often to refresh it and the Stale condition.
+pub const REGISTRATION_HEARTBEAT_RESOLUTION: Duration = Duration::from_secs(30);
 
-pub async fn reconcile(obj: Arc<ControllerRegistration>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
-    let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
-    let api: Api<ControllerRegistration> = Api::namespaced(ctx.client.clone(), &ns);
-    let started = std::time::Instant::now();
-    let result = async {
-        if obj.metadata.deletion_timestamp.is_some() {
-            return cleanup(&obj, &api, &ctx).await;
-        }
-        let current = ensure_metadata(&obj, &api).await?;
-        apply(current.as_ref().unwrap_or(&obj), &api, &ctx).await
+/// Tries of the label patch when our copy keeps turning out stale.
+const LABEL_ATTEMPTS: u32 = 3;
+
+impl Reconciled for ControllerRegistration {
+    /// Deleting the resource is the wrap: the finalizer holds it until the release (and
+    /// the promotion of a successor) is committed.
+    const FINALIZER: &'static str = REGISTRATION_FINALIZER;
+    const METRIC: &'static str = "controllerregistration";
+
+    async fn apply(obj: Arc<Self>, api: &Api<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+        let current = ensure_label(api, &obj).await;
+        apply(current.as_ref().unwrap_or(&obj), api, ctx).await
     }
-    .await;
-    ctx.metrics.reconciled("controllerregistration", started.elapsed(), result.is_err());
-    result
+
+    async fn cleanup(obj: Arc<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+        cleanup(&obj, ctx).await
+    }
 }
 
-/// Puts the finalizer (so a delete always releases) and the project label on the
-/// resource in one merge patch, before it takes part in the election. Returns the
-/// updated resource when it wrote one. Registrations made through the HTTP API are
-/// created with both, so this writes only for resources applied with kubectl.
-async fn ensure_metadata(
-    obj: &ControllerRegistration,
-    api: &Api<ControllerRegistration>,
-) -> Result<Option<ControllerRegistration>, ControllerError> {
-    let mut current = obj.clone();
-    for attempt in 1..=3 {
-        let Some(patch) = metadata_patch(&current) else {
-            return Ok((attempt > 1).then_some(current));
-        };
-        match api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
-            Ok(updated) => return Ok(Some(updated)),
-            // Our copy was behind (the watch cache lags): read the resource and retry.
-            Err(kube::Error::Api(s)) if s.code == 409 => current = api.get(&obj.name_any()).await?,
-            // Only the label is missing: that must not hold up the election.
-            Err(e) if has_finalizer(&current) => {
-                warn!(name = %obj.name_any(), error = %e, "could not set the project label");
-                return Ok(None);
+impl ObservedStatus for ControllerRegistrationStatus {
+    const HEARTBEAT_RESOLUTION: Duration = REGISTRATION_HEARTBEAT_RESOLUTION;
+    const EVENT_ACTION: &'static str = "Elect";
+
+    fn last_heartbeat(&self) -> Option<&Time> {
+        self.last_heartbeat.as_ref()
+    }
+
+    fn stable(&self) -> Self {
+        let mut s = self.clone();
+        s.last_heartbeat = None;
+        // The Stale message carries the heartbeat age; compare its status only.
+        for c in &mut s.conditions {
+            if c.type_ == "Stale" {
+                c.message.clear();
             }
-            Err(e) => return Err(e.into()),
+        }
+        s
+    }
+
+    fn event(previous: &Self, next: &Self) -> Option<StatusEvent> {
+        role_event(previous, next)
+    }
+}
+
+/// Copies spec.projectId to the project label when the resource lacks it. Registrations
+/// made through the HTTP API or admitted through the chart's policy carry it already:
+/// then nothing is written. The patch holds the label alone, guarded by the
+/// resourceVersion of the copy that lacked it: that copy comes from the watch cache,
+/// which lags, so a conflict means "look again" (a fresh read, and a write only if the
+/// label is still missing). Returns the fresher resource when it read or wrote one. A
+/// failure is logged, never returned: the label serves selection, and the election must
+/// not wait for it (the periodic requeue tries again).
+pub async fn ensure_label(
+    api: &Api<ControllerRegistration>,
+    obj: &ControllerRegistration,
+) -> Option<ControllerRegistration> {
+    let mut fresh: Option<ControllerRegistration> = None;
+    for _ in 0..LABEL_ATTEMPTS {
+        let current = fresh.as_ref().unwrap_or(obj);
+        let Some(patch) = label_patch(current) else { return fresh };
+        match api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(updated) => return Some(updated),
+            Err(kube::Error::Api(s)) if s.code == 409 => match api.get(&obj.name_any()).await {
+                Ok(read) => fresh = Some(read),
+                Err(e) => {
+                    warn!(error = %e, "could not read the registration to set its project label");
+                    return fresh;
+                }
+            },
+            Err(e) => {
+                warn!(error = %e, "could not set the project label");
+                return fresh;
+            }
         }
     }
-    Err(ControllerError::Conflict("metadata.finalizers"))
+    warn!("could not set the project label: the resource kept changing; next reconcile retries");
+    fresh
 }
 
-fn has_finalizer(obj: &ControllerRegistration) -> bool {
-    obj.finalizers().iter().any(|f| f == FINALIZER)
-}
-
-/// The merge patch that adds what is missing (None: nothing is). The whole finalizer
-/// list, guarded by resourceVersion: a concurrent change makes it a conflict, never a
-/// lost finalizer of someone else's. A project id that is not a valid label value (over
-/// 63 characters, or other characters) is not copied; spec.projectId stays selectable
-/// as a field.
-pub fn metadata_patch(obj: &ControllerRegistration) -> Option<serde_json::Value> {
+/// The merge patch that sets the project label (None: it is set, or the project id is
+/// not a valid label value — over 63 characters, or other characters — and
+/// spec.projectId stays selectable as a field).
+pub fn label_patch(obj: &ControllerRegistration) -> Option<serde_json::Value> {
     let project = obj.spec.project_id.as_str();
-    let want_label = is_label_value(project);
-    let label_ok = !want_label || obj.labels().get(PROJECT_LABEL).map(String::as_str) == Some(project);
-    if has_finalizer(obj) && label_ok {
+    if !is_label_value(project) || obj.labels().get(PROJECT_LABEL).map(String::as_str) == Some(project) {
         return None;
     }
-    let mut finalizers = obj.finalizers().to_vec();
-    if !has_finalizer(obj) {
-        finalizers.push(FINALIZER.to_string());
-    }
-    let mut metadata = json!({"finalizers": finalizers, "resourceVersion": obj.resource_version()});
-    if want_label {
-        metadata["labels"] = json!({PROJECT_LABEL: project});
-    }
-    Some(json!({"metadata": metadata}))
+    Some(json!({"metadata": {"labels": {PROJECT_LABEL: project}, "resourceVersion": obj.resource_version()}}))
 }
 
 fn uid(obj: &ControllerRegistration) -> Result<Uuid, ControllerError> {
@@ -142,50 +163,25 @@ async fn apply(
             duplicate_status(existing, obj.metadata.generation, &previous, now)
         }
     };
-    if status_needs_write(&previous, &next) {
-        let patch = json!({
-            "apiVersion": "prism.ntecdev.ai/v1alpha1",
-            "kind": "ControllerRegistration",
-            "status": next,
-        });
-        api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
-        ctx.written_registrations.wrote(obj.uid().as_deref(), next.clone());
-    }
-    if let Some((type_, reason, note)) = role_event(&previous, &next) {
-        publish(ctx, obj, type_, reason, note).await;
-    }
+    write_status(api, &ctx.recorder, &ctx.written_registrations, obj, &previous, &next).await?;
 
     Ok(match next.role {
         // Live registrations come back to refresh lastHeartbeat and the Stale condition.
-        Role::Master | Role::Peer => Action::requeue(HEARTBEAT_STATUS_RESOLUTION),
+        Role::Master | Role::Peer => Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION),
         Role::Pending => Action::requeue(Duration::from_secs(60)),
         Role::Released => Action::await_change(),
     })
 }
 
-/// Deleting the resource is the wrap: release (promoting a successor), then let it go.
-async fn cleanup(
-    obj: &ControllerRegistration,
-    api: &Api<ControllerRegistration>,
-    ctx: &Context,
-) -> Result<Action, ControllerError> {
-    if !has_finalizer(obj) {
-        return Ok(Action::await_change());
-    }
+/// Deleting the resource is the wrap: release (promoting a successor); `finalizer()`
+/// then lets the resource go.
+async fn cleanup(obj: &ControllerRegistration, ctx: &Context) -> Result<Action, ControllerError> {
     let id = uid(obj)?;
     let was_live = ctx.election.release(id, ReleaseReason::Wrapped).await?;
     if was_live {
-        info!(namespace = ?obj.namespace(), name = %obj.name_any(), "registration wrapped");
-        publish(ctx, obj, EventType::Normal, "Released", "released: wrapped (resource deleted)".into()).await;
-    }
-    // The list without ours, guarded by resourceVersion: a concurrent change of the
-    // finalizers makes this a conflict (retried) rather than dropping someone else's.
-    let rest: Vec<&String> = obj.finalizers().iter().filter(|f| *f != FINALIZER).collect();
-    let patch = json!({"metadata": {"finalizers": rest, "resourceVersion": obj.resource_version()}});
-    match api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(s)) if s.code == 404 => {}
-        Err(e) => return Err(e.into()),
+        info!("registration wrapped");
+        let event = (EventType::Normal, "Released", "released: wrapped (resource deleted)".to_string());
+        publish(&ctx.recorder, obj, event, ControllerRegistrationStatus::EVENT_ACTION).await;
     }
     Ok(Action::await_change())
 }
@@ -290,33 +286,8 @@ fn released_reason(r: ReleaseReason) -> &'static str {
     }
 }
 
-/// Whether to write: anything but lastHeartbeat changed, or lastHeartbeat moved by at
-/// least the status resolution.
-pub fn status_needs_write(previous: &ControllerRegistrationStatus, next: &ControllerRegistrationStatus) -> bool {
-    let secs = |t: &Option<Time>| t.as_ref().map(|t| t.0.as_second());
-    let beat_moved = match (secs(&previous.last_heartbeat), secs(&next.last_heartbeat)) {
-        (Some(a), Some(b)) => (b - a).unsigned_abs() >= HEARTBEAT_STATUS_RESOLUTION.as_secs(),
-        (a, b) => a != b,
-    };
-    let strip = |s: &ControllerRegistrationStatus| {
-        let mut s = s.clone();
-        s.last_heartbeat = None;
-        // The Stale message carries the heartbeat age; compare its status only.
-        for c in &mut s.conditions {
-            if c.type_ == "Stale" {
-                c.message.clear();
-            }
-        }
-        s
-    };
-    beat_moved || strip(previous) != strip(next)
-}
-
 /// The Event for a change of role, if the role changed.
-pub fn role_event(
-    previous: &ControllerRegistrationStatus,
-    next: &ControllerRegistrationStatus,
-) -> Option<(EventType, &'static str, String)> {
+pub fn role_event(previous: &ControllerRegistrationStatus, next: &ControllerRegistrationStatus) -> Option<StatusEvent> {
     let master_name = next.master.as_ref().map(|m| m.name.as_str()).unwrap_or("none");
     let term = next.term.unwrap_or_default();
     match (previous.role, next.role) {
@@ -347,16 +318,10 @@ pub fn role_event(
     }
 }
 
-async fn publish(ctx: &Context, obj: &ControllerRegistration, type_: EventType, reason: &str, note: String) {
-    let event = KubeEvent { type_, reason: reason.into(), note: Some(note), action: "Elect".into(), secondary: None };
-    if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
-        warn!(name = %obj.name_any(), error = %e, "could not record an Event");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconcilers::status::needs_write;
     use chrono::TimeZone;
 
     fn row(name: &str, master: bool) -> Registration {
@@ -419,8 +384,9 @@ mod tests {
             let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![] };
             build_status(&later, &view, None, Some(1), &a, chrono::Duration::minutes(10), later.last_heartbeat)
         };
-        assert!(!status_needs_write(&a, &beaten(10)), "10 s of heartbeat is not worth a write");
-        assert!(status_needs_write(&a, &beaten(35)));
+        assert!(!needs_write(&a, &beaten(10)), "10 s of heartbeat is not worth a write");
+        assert!(!needs_write(&a, &beaten(29)));
+        assert!(needs_write(&a, &beaten(35)));
     }
 
     #[test]
@@ -443,7 +409,7 @@ mod tests {
     }
 
     #[test]
-    fn metadata_patch_adds_only_what_is_missing() {
+    fn label_patch_sets_only_a_missing_label() {
         let spec = |project: &str| crate::crd::ControllerRegistrationSpec {
             project_id: project.into(),
             session_id: "s".into(),
@@ -451,17 +417,18 @@ mod tests {
         };
         let mut obj = ControllerRegistration::new("r", spec("PID-1"));
         obj.metadata.resource_version = Some("7".into());
-        obj.metadata.finalizers = Some(vec!["other.io/keep".into()]);
-        let patch = metadata_patch(&obj).expect("finalizer and label missing");
-        assert_eq!(patch["metadata"]["finalizers"], json!(["other.io/keep", FINALIZER]), "keeps the others");
-        assert_eq!(patch["metadata"]["resourceVersion"], "7");
-        assert_eq!(patch["metadata"]["labels"][PROJECT_LABEL], "PID-1");
-        obj.metadata.finalizers = Some(vec![FINALIZER.into()]);
+        let patch = label_patch(&obj).expect("label missing");
+        assert_eq!(
+            patch,
+            json!({"metadata": {"labels": {PROJECT_LABEL: "PID-1"}, "resourceVersion": "7"}}),
+            "the label alone, guarded by the copy's resourceVersion"
+        );
+        obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), "other".to_string())].into());
+        assert!(label_patch(&obj).is_some(), "a wrong value is corrected");
         obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), "PID-1".to_string())].into());
-        assert_eq!(metadata_patch(&obj), None, "nothing to write");
-        let mut long = ControllerRegistration::new("r", spec(&"x".repeat(64)));
-        long.metadata.finalizers = Some(vec![FINALIZER.into()]);
-        assert_eq!(metadata_patch(&long), None, "no label for a project id that cannot be one");
+        assert_eq!(label_patch(&obj), None, "nothing to write");
+        let long = ControllerRegistration::new("r", spec(&"x".repeat(64)));
+        assert_eq!(label_patch(&long), None, "no label for a project id that cannot be one");
     }
 
     #[test]

@@ -8,23 +8,52 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event as KubeEvent, EventType};
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::{Api, Resource, ResourceExt};
-use serde_json::json;
+use kube::runtime::events::EventType;
+use kube::{Api, ResourceExt};
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::{Context, ControllerError, FIELD_MANAGER, condition};
+use super::status::{ObservedStatus, StatusEvent, write_status};
+use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus};
+use crate::run_registry::RunAddress;
 use crate::run_registry::identity::{Identity, Mirror};
 use crate::run_registry::projection::{self, Lease, SessionView};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
-/// lastHeartbeat alone is written at most this often.
-const HEARTBEAT_STATUS_RESOLUTION: i64 = 10;
+/// A RunSession's `status.lastHeartbeat` alone is written at most this often.
+pub const RUNSESSION_HEARTBEAT_RESOLUTION: Duration = Duration::from_secs(10);
+
+impl Reconciled for RunSession {
+    const FINALIZER: &'static str = FINALIZER;
+    const METRIC: &'static str = "runsession";
+
+    async fn apply(obj: Arc<Self>, api: &Api<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+        apply(&obj, api, ctx).await
+    }
+
+    async fn cleanup(obj: Arc<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+        cleanup(&obj, ctx).await
+    }
+}
+
+impl ObservedStatus for RunSessionStatus {
+    const HEARTBEAT_RESOLUTION: Duration = RUNSESSION_HEARTBEAT_RESOLUTION;
+    const EVENT_ACTION: &'static str = "Observe";
+
+    fn last_heartbeat(&self) -> Option<&Time> {
+        self.last_heartbeat.as_ref()
+    }
+
+    fn stable(&self) -> Self {
+        RunSessionStatus { last_heartbeat: None, ..self.clone() }
+    }
+
+    fn event(previous: &Self, next: &Self) -> Option<StatusEvent> {
+        phase_event(previous, next)
+    }
+}
 
 fn identity_of(obj: &RunSession) -> Result<Identity, ControllerError> {
     let uid = obj.uid().ok_or(ControllerError::MissingField("metadata.uid"))?;
@@ -38,22 +67,6 @@ fn identity_of(obj: &RunSession) -> Result<Identity, ControllerError> {
         key_generation: obj.spec.credential.generation,
         lease_seconds: obj.spec.lease_seconds,
     })
-}
-
-pub async fn reconcile(obj: Arc<RunSession>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
-    let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
-    let api: Api<RunSession> = Api::namespaced(ctx.client.clone(), &ns);
-    let started = std::time::Instant::now();
-    let result = finalizer(&api, FINALIZER, obj, |event| async {
-        match event {
-            Finalizer::Apply(obj) => apply(&obj, &api, &ctx).await,
-            Finalizer::Cleanup(obj) => cleanup(&obj, &ctx).await,
-        }
-    })
-    .await
-    .map_err(|e| ControllerError::Finalizer(Box::new(e)));
-    ctx.metrics.reconciled("runsession", started.elapsed(), result.is_err());
-    result
 }
 
 async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result<Action, ControllerError> {
@@ -97,42 +110,14 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
             (status_of(view, &previous, generation, now), requeue)
         }
     };
-    if needs_write(&previous, &next) {
-        let patch = json!({"apiVersion": "prism.ntecdev.ai/v1alpha1", "kind": "RunSession", "status": next});
-        api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
-        ctx.written_runsessions.wrote(obj.uid().as_deref(), next.clone());
-    }
-    if previous.phase != next.phase {
-        let (type_, reason, note) = match next.phase {
-            RunPhase::Online => (
-                EventType::Normal,
-                "Online",
-                format!("session started, version {}", next.version.clone().unwrap_or_default()),
-            ),
-            RunPhase::Offline => {
-                let reason = next.unavailable_reason.map(|r| r.as_str()).unwrap_or("none");
-                (EventType::Normal, "Offline", format!("offline: {reason}"))
-            }
-            RunPhase::Unavailable => {
-                (EventType::Warning, "Unavailable", "runtime registry (Redis) unavailable".to_string())
-            }
-            RunPhase::Pending => {
-                (EventType::Warning, "DuplicateIdentity", "identity claimed by another RunSession".to_string())
-            }
-        };
-        let event =
-            KubeEvent { type_, reason: reason.into(), note: Some(note), action: "Observe".into(), secondary: None };
-        if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
-            warn!(name = %obj.name_any(), error = %e, "could not record an Event");
-        }
-    }
+    write_status(api, &ctx.recorder, &ctx.written_runsessions, obj, &previous, &next).await?;
     Ok(Action::requeue(requeue))
 }
 
 /// Ends the live session after a credential rotation; true when there was one. A
 /// failure is logged and leaves the reason unchanged: the old key no longer proves
 /// possession anyway, and the lease runs out on its own.
-async fn revoke_session(ctx: &Context, obj: &RunSession, address: &crate::run_registry::RunAddress) -> bool {
+async fn revoke_session(ctx: &Context, obj: &RunSession, address: &RunAddress) -> bool {
     match ctx.runtime.sessions.revoke(address).await {
         Ok(revoked) => {
             if revoked {
@@ -211,39 +196,86 @@ fn duplicate_status(
     }
 }
 
-fn needs_write(previous: &RunSessionStatus, next: &RunSessionStatus) -> bool {
-    let secs = |t: &Option<Time>| t.as_ref().map(|t| t.0.as_second());
-    let beat_moved = match (secs(&previous.last_heartbeat), secs(&next.last_heartbeat)) {
-        (Some(a), Some(b)) => (b - a).abs() >= HEARTBEAT_STATUS_RESOLUTION,
-        (a, b) => a != b,
-    };
-    let strip = |s: &RunSessionStatus| RunSessionStatus { last_heartbeat: None, ..s.clone() };
-    beat_moved || strip(previous) != strip(next)
+/// The Event for a change of phase, if the phase changed.
+pub fn phase_event(previous: &RunSessionStatus, next: &RunSessionStatus) -> Option<StatusEvent> {
+    if previous.phase == next.phase {
+        return None;
+    }
+    Some(match next.phase {
+        RunPhase::Online => (
+            EventType::Normal,
+            "Online",
+            format!("session started, version {}", next.version.clone().unwrap_or_default()),
+        ),
+        RunPhase::Offline => {
+            let reason = next.unavailable_reason.map(|r| r.as_str()).unwrap_or("none");
+            (EventType::Normal, "Offline", format!("offline: {reason}"))
+        }
+        RunPhase::Unavailable => {
+            (EventType::Warning, "Unavailable", "runtime registry (Redis) unavailable".to_string())
+        }
+        RunPhase::Pending => {
+            (EventType::Warning, "DuplicateIdentity", "identity claimed by another RunSession".to_string())
+        }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconcilers::status::needs_write;
+    use crate::run_registry::Session;
+
+    fn session() -> Session {
+        Session {
+            session_id: Uuid::nil(),
+            generation: 1,
+            started_at: DateTime::from_timestamp_millis(1_700_000_000_000).expect("time"),
+            last_heartbeat: DateTime::from_timestamp_millis(1_700_000_005_000).expect("time"),
+            version: Some("1.4.2".into()),
+            target: None,
+            capabilities: vec!["lifecycle".into()],
+            capacity: Default::default(),
+            lease_left: Duration::from_secs(20),
+        }
+    }
+
+    fn status(lease: Lease<'_>, previous: &RunSessionStatus) -> RunSessionStatus {
+        status_of(projection::project(lease, &SessionView::shown_in(previous)), previous, Some(1), Utc::now())
+    }
 
     #[test]
     fn conditions_follow_the_phase() {
-        let now = Utc::now();
-        let online = SessionView { phase: RunPhase::Online, online: true, ..Default::default() };
-        let status = status_of(online, &Default::default(), Some(2), now);
+        let online = status(Lease::Held(&session()), &Default::default());
         let cond = |s: &RunSessionStatus, t: &str| {
-            s.conditions.iter().find(|c| c.type_ == t).map(|c| (c.status.clone(), c.reason.clone()))
+            s.conditions.iter().find(|c| c.type_ == t).map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
         };
-        assert_eq!(cond(&status, "Online"), Some(("True".into(), "LeaseHeld".into())));
-        assert_eq!(cond(&status, "Ready"), Some(("True".into(), "Identity".into())));
-        assert_eq!(status.observed_generation, Some(2));
-        let offline = SessionView {
-            phase: RunPhase::Offline,
-            unavailable_reason: Some(crate::crd::UnavailableReason::LeaseExpired),
-            ..Default::default()
+        assert_eq!(cond(&online, "Online"), Some(("True".into(), "LeaseHeld".into(), "session lease held".into())));
+        assert_eq!(cond(&online, "Ready").map(|c| c.1), Some("Identity".into()));
+        assert_eq!(online.observed_generation, Some(1));
+        let offline = status(Lease::Absent { credential_rotated: false }, &online);
+        assert_eq!(
+            cond(&offline, "Online"),
+            Some(("False".into(), "LeaseExpired".into(), "no session lease (lease_expired)".into()))
+        );
+        let pending = status(Lease::Absent { credential_rotated: false }, &Default::default());
+        assert_eq!(cond(&pending, "Online").map(|c| c.1), Some("NeverConnected".into()));
+        let down = status(Lease::RegistryDown, &online);
+        assert_eq!(cond(&down, "Online").map(|c| c.1), Some("RegistryUnavailable".into()));
+    }
+
+    #[test]
+    fn heartbeat_alone_is_written_at_most_every_10_seconds() {
+        let first = status(Lease::Held(&session()), &Default::default());
+        let beaten = |ms: i64| {
+            let mut s = session();
+            s.last_heartbeat += chrono::Duration::milliseconds(ms);
+            status(Lease::Held(&s), &first)
         };
-        let status = status_of(offline, &status, Some(2), now);
-        assert_eq!(cond(&status, "Online"), Some(("False".into(), "LeaseExpired".into())));
-        let msg = status.conditions.iter().find(|c| c.type_ == "Online").map(|c| c.message.clone());
-        assert_eq!(msg.as_deref(), Some("no session lease (lease_expired)"));
+        assert!(!needs_write(&first, &beaten(5_000)));
+        assert!(needs_write(&first, &beaten(10_000)));
+        assert!(phase_event(&first, &beaten(10_000)).is_none(), "no Event without a change of phase");
+        let offline = status(Lease::Absent { credential_rotated: false }, &first);
+        assert_eq!(phase_event(&first, &offline).map(|e| e.1), Some("Offline"));
     }
 }
