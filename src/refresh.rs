@@ -5,8 +5,10 @@
 //! One path for every signal: a Postgres NOTIFY on a channel per kind, payload
 //! `namespace/name`. Sent inside the transaction that made the change, it is delivered
 //! at commit and never for a rolled-back change; the leader LISTENs and feeds each
-//! notification once into its controllers. A notification missed while the listener
-//! reconnects is caught up by the reconcilers' periodic requeue.
+//! notification once into its controllers. Notifications sent while the listener is not
+//! connected (Postgres restarting, the leader just elected) are lost, so every time it
+//! (re)connects it asks the controllers to reconcile everything once: nothing waits for
+//! a periodic requeue after an outage.
 
 use std::time::Duration;
 
@@ -86,18 +88,30 @@ pub async fn announce_now<'a>(
     announce(&mut conn, kind, resources).await
 }
 
-/// What the reconcilers receive.
+/// What the reconcilers receive: single resources, and "everything of this kind" each
+/// time the listener (re)connects.
 pub struct Receivers {
     pub registrations: mpsc::UnboundedReceiver<ObjectRef<ControllerRegistration>>,
     pub run_sessions: mpsc::UnboundedReceiver<ObjectRef<RunSession>>,
+    pub all_registrations: mpsc::UnboundedReceiver<()>,
+    pub all_run_sessions: mpsc::UnboundedReceiver<()>,
 }
 
 struct Senders {
     registrations: mpsc::UnboundedSender<ObjectRef<ControllerRegistration>>,
     run_sessions: mpsc::UnboundedSender<ObjectRef<RunSession>>,
+    all_registrations: mpsc::UnboundedSender<()>,
+    all_run_sessions: mpsc::UnboundedSender<()>,
 }
 
 impl Senders {
+    /// Signals may have been missed: refresh everything once.
+    fn deliver_all(&self) {
+        // As in `deliver`: a closed receiver means the controllers are stopping.
+        let _ = self.all_registrations.send(());
+        let _ = self.all_run_sessions.send(());
+    }
+
     fn deliver(&self, channel: &str, payload: &str) {
         let Some(target) = NamespacedName::from_payload(payload) else {
             warn!(channel, payload, "ignoring a refresh signal that names no namespace/name");
@@ -117,8 +131,15 @@ impl Senders {
 pub fn listen(pool: PgPool) -> (Receivers, impl Future<Output = ()>) {
     let (registrations, registrations_rx) = mpsc::unbounded_channel();
     let (run_sessions, run_sessions_rx) = mpsc::unbounded_channel();
-    let senders = Senders { registrations, run_sessions };
-    let receivers = Receivers { registrations: registrations_rx, run_sessions: run_sessions_rx };
+    let (all_registrations, all_registrations_rx) = mpsc::unbounded_channel();
+    let (all_run_sessions, all_run_sessions_rx) = mpsc::unbounded_channel();
+    let senders = Senders { registrations, run_sessions, all_registrations, all_run_sessions };
+    let receivers = Receivers {
+        registrations: registrations_rx,
+        run_sessions: run_sessions_rx,
+        all_registrations: all_registrations_rx,
+        all_run_sessions: all_run_sessions_rx,
+    };
     (receivers, listen_loop(pool, senders))
 }
 
@@ -138,6 +159,7 @@ async fn listen_loop(pool: PgPool, senders: Senders) {
             tokio::time::sleep(RETRY).await;
             continue;
         }
+        senders.deliver_all();
         loop {
             match listener.recv().await {
                 Ok(notification) => senders.deliver(notification.channel(), notification.payload()),
@@ -167,7 +189,9 @@ mod tests {
     fn each_signal_reaches_its_own_kind_once() {
         let (registrations, mut reg_rx) = mpsc::unbounded_channel();
         let (run_sessions, mut run_rx) = mpsc::unbounded_channel();
-        let senders = Senders { registrations, run_sessions };
+        let (all_registrations, mut all_reg_rx) = mpsc::unbounded_channel();
+        let (all_run_sessions, mut all_run_rx) = mpsc::unbounded_channel();
+        let senders = Senders { registrations, run_sessions, all_registrations, all_run_sessions };
         senders.deliver(Kind::Registration.channel(), "a/r1");
         senders.deliver(Kind::RunSession.channel(), "b/s1");
         senders.deliver("other", "c/x");
@@ -175,5 +199,8 @@ mod tests {
         assert!(reg_rx.try_recv().is_err(), "delivered once");
         assert_eq!(run_rx.try_recv().ok(), Some(ObjectRef::new("s1").within("b")));
         assert!(run_rx.try_recv().is_err());
+        assert!(all_reg_rx.try_recv().is_err() && all_run_rx.try_recv().is_err(), "no resync without a reconnect");
+        senders.deliver_all();
+        assert_eq!((all_reg_rx.try_recv().ok(), all_run_rx.try_recv().ok()), (Some(()), Some(())));
     }
 }

@@ -210,10 +210,7 @@ where
     }
 }
 
-fn receiver_stream<K>(rx: mpsc::UnboundedReceiver<ObjectRef<K>>) -> impl futures::Stream<Item = ObjectRef<K>>
-where
-    K: Resource + 'static,
-{
+fn receiver_stream<T>(rx: mpsc::UnboundedReceiver<T>) -> impl futures::Stream<Item = T> {
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) })
 }
 
@@ -252,12 +249,14 @@ pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace:
     let registrations = controller_for(api_for::<ControllerRegistration>(&ctx.client, &namespace))
         .with_config(config.clone())
         .reconcile_on(receiver_stream(receivers.registrations))
+        .reconcile_all_on(receiver_stream(receivers.all_registrations))
         .shutdown_on_signal()
         .run(reconcile::<ControllerRegistration>, error_policy, ctx.clone())
         .for_each(log_outcome);
     let runsessions = controller_for(api_for::<RunSession>(&ctx.client, &namespace))
         .with_config(config)
         .reconcile_on(receiver_stream(receivers.run_sessions))
+        .reconcile_all_on(receiver_stream(receivers.all_run_sessions))
         .shutdown_on_signal()
         .run(reconcile::<RunSession>, error_policy, ctx.clone())
         .for_each(log_outcome);
