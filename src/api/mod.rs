@@ -13,7 +13,7 @@ use sqlx::PgPool;
 
 use crate::agent_sessions::AgentService;
 use crate::election::Cause;
-use crate::run_registry::service::RuntimeService;
+use crate::run_registry::service::RunRegistry;
 use crate::telemetry::Metrics;
 
 pub mod agents;
@@ -31,7 +31,7 @@ pub struct AppState {
     pub kube: kube::Client,
     pub auth: auth::Authorizer,
     pub agents: AgentService,
-    pub runtime: RuntimeService,
+    pub registry: RunRegistry,
     pub metrics: Arc<Metrics>,
 }
 
@@ -73,7 +73,7 @@ async fn refresh_gauges(state: &AppState) {
         }
     };
     state.metrics.set_up("postgres", pg_up);
-    let redis_up = state.runtime.sessions.ping().await.is_ok();
+    let redis_up = state.registry.sessions.ping().await.is_ok();
     state.metrics.set_up("redis", redis_up);
     if redis_up && let Err(error) = runs_online_gauge(state).await {
         tracing::warn!(%error, "metrics: runs online not refreshed");
@@ -98,7 +98,7 @@ async fn postgres_gauges(state: &AppState) -> Result<(), crate::db::QueryError> 
     .await
     .step("metrics: count live registrations")?;
     m.set_registrations(roles);
-    match state.runtime.jobs.queue_depth().await {
+    match state.registry.jobs.queue_depth().await {
         Ok(n) => {
             m.jobs_queued.set(n);
         }
@@ -110,8 +110,8 @@ async fn postgres_gauges(state: &AppState) -> Result<(), crate::db::QueryError> 
 
 async fn runs_online_gauge(state: &AppState) -> Result<(), crate::run_registry::RegistryError> {
     let mut online = 0;
-    for address in state.runtime.identities.all_addresses().await? {
-        if state.runtime.sessions.session(&address).await?.is_some() {
+    for address in state.registry.identities.all_addresses().await? {
+        if state.registry.sessions.session(&address).await?.is_some() {
             online += 1;
         }
     }
@@ -130,7 +130,7 @@ async fn healthz() -> &'static str {
 /// a connection error.
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     let postgres = sqlx::query("SELECT 1").execute(&state.db).await.map(|_| ()).map_err(|e| e.to_string());
-    let redis = state.runtime.sessions.ping().await.map_err(|e| e.to_string());
+    let redis = state.registry.sessions.ping().await.map_err(|e| e.to_string());
     let kubernetes = state.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string());
     let check = |r: &Result<(), String>| match r {
         Ok(()) => json!({"status": "ok"}),

@@ -52,7 +52,7 @@ fn session_token(headers: &HeaderMap) -> Result<&str, ApiError> {
 
 async fn authenticated(state: &AppState, headers: &HeaderMap) -> Result<(RunAddress, Session), ApiError> {
     let token = session_token(headers)?;
-    match state.runtime.session(token, None).await? {
+    match state.registry.session(token, None).await? {
         Ok(s) => Ok(s),
         Err(refused) => Err(session_refused(refused)),
     }
@@ -71,7 +71,7 @@ pub async fn hello(
     State(state): State<Arc<AppState>>,
     ApiJson(body): ApiJson<Hello>,
 ) -> Result<(StatusCode, Json<Granted>), ApiError> {
-    match state.runtime.hello(&body, Utc::now()).await? {
+    match state.registry.hello(&body, Utc::now()).await? {
         Ok((identity, granted)) => {
             // The session is granted whatever happens next; a lost signal only delays
             // `Online` in status until the reconciler's own requeue.
@@ -105,7 +105,7 @@ pub async fn heartbeat(
     let (caps, cap) = body.map(|b| (b.capabilities, b.capacity)).unwrap_or_default();
     check_snapshot(caps.as_ref(), cap.as_ref()).map_err(|e| ApiError::invalid(e.0))?;
     let renewal = Renewal { now: Utc::now(), capabilities: caps.as_deref(), capacity: cap.as_ref() };
-    match state.runtime.session(token, Some(renewal)).await? {
+    match state.registry.session(token, Some(renewal)).await? {
         Ok((_, session)) => {
             let lease = (session.lease_left.as_millis() as u64).div_ceil(1000);
             Ok(Json(json!({"lease_ttl_seconds": lease, "heartbeat_interval_seconds": (lease / 3).max(1)})))
@@ -131,7 +131,7 @@ pub async fn enqueue(
 ) -> Result<(StatusCode, Json<Job>), ApiError> {
     let caller = state.auth.authenticate(&headers).await?;
     let address = RunAddress { server_instance_id: body.server_instance_id, component_kind: body.component_kind };
-    let Some(identity) = state.runtime.identities.live(&address).await? else {
+    let Some(identity) = state.registry.identities.live(&address).await? else {
         return Err(ApiError::not_found(
             "unknown_identity",
             "no RunSession has this server_instance_id/component_kind",
@@ -139,7 +139,7 @@ pub async fn enqueue(
     };
     state.auth.authorize_named(&caller, "update", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
     let payload = if body.payload.is_null() { json!({}) } else { body.payload };
-    let job = state.runtime.jobs.enqueue(&address, body.kind, &payload).await?;
+    let job = state.registry.jobs.enqueue(&address, body.kind, &payload).await?;
     Ok((StatusCode::CREATED, Json(job)))
 }
 
@@ -161,7 +161,7 @@ pub async fn claim(
     // No session (Redis down included) means no job is assigned.
     let started = std::time::Instant::now();
     let (address, session) = authenticated(&state, &headers).await?;
-    let jobs = state.runtime.claim(&address, &session, max).await?;
+    let jobs = state.registry.claim(&address, &session, max).await?;
     state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
     Ok(Json(json!({"jobs": jobs})))
 }
@@ -210,7 +210,7 @@ pub async fn job_step(
         _ => return Err(ApiError::not_found("not_found", "no such endpoint")),
     };
     let (address, _) = authenticated(&state, &headers).await?;
-    match state.runtime.step(&address, id, step, value.as_ref()).await? {
+    match state.registry.step(&address, id, step, value.as_ref()).await? {
         Ok(job) => Ok(Json(job)),
         Err(StepRefused::NotFound) => Err(ApiError::not_found("job_not_found", format!("job {id} not found"))),
         Err(StepRefused::CrossTarget) => Err(ApiError::new(
@@ -238,7 +238,7 @@ pub async fn server_status(
     Path(server_instance_id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let caller = state.auth.authenticate(&headers).await?;
-    let identities = state.runtime.identities.of_server(&server_instance_id).await?;
+    let identities = state.registry.identities.of_server(&server_instance_id).await?;
     if identities.is_empty() {
         return Err(ApiError::not_found("unknown_server", format!("no RunSession for server {server_instance_id}")));
     }
@@ -264,7 +264,7 @@ async fn component_status(state: &AppState, identity: &Identity) -> Result<Compo
         .and_then(|r| r.status)
         .map(|status| SessionView::shown_in(&status))
         .unwrap_or_default();
-    let live = match state.runtime.sessions.session(&identity.address()).await {
+    let live = match state.registry.sessions.session(&identity.address()).await {
         // A session opened with an older key does not count.
         Ok(session) => session.filter(|s| s.generation == identity.key_generation),
         Err(e) if e.registry_unavailable() => {

@@ -18,7 +18,7 @@ use crate::reconcilers;
 use crate::run_registry::SessionStore;
 use crate::run_registry::identity::IdentityStore;
 use crate::run_registry::jobs::JobStore;
-use crate::run_registry::service::RuntimeService;
+use crate::run_registry::service::RunRegistry;
 use crate::telemetry::Metrics;
 
 /// `prism-operator run`, step by step.
@@ -31,21 +31,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")?;
     let metrics = Arc::new(Metrics::default());
     let election = ElectionStore::new(pool.clone());
-    let runtime = RuntimeService {
+    let registry = RunRegistry {
         sessions,
         identities: IdentityStore::new(pool.clone()),
         jobs: JobStore::new(pool.clone(), Duration::from_secs(u64::from(args.job_visibility_seconds))),
         default_lease_seconds: args.run_lease_seconds,
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    start_leader_work(&args, &kube, &election, &runtime, &metrics, stop_rx.clone());
+    start_leader_work(&args, &kube, &election, &registry, &metrics, stop_rx.clone());
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
     let state = Arc::new(AppState {
         db: pool,
         auth: api::auth::Authorizer::new(kube.clone()),
         agents: AgentService::new(kube.clone(), election, heartbeats),
         kube,
-        runtime,
+        registry,
         metrics,
     });
     tokio::spawn(async move {
@@ -87,14 +87,14 @@ fn start_leader_work(
     args: &RunArgs,
     kube: &kube::Client,
     election: &ElectionStore,
-    runtime: &RuntimeService,
+    registry: &RunRegistry,
     metrics: &Arc<Metrics>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let ctx = Arc::new(reconcilers::Context {
         client: kube.clone(),
         election: election.clone(),
-        runtime: runtime.clone(),
+        registry: registry.clone(),
         recorder: reconcilers::recorder(kube.clone()),
         stale_after: chrono::Duration::minutes(i64::from(args.peer_stale_minutes)),
         metrics: metrics.clone(),

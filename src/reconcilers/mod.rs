@@ -32,7 +32,7 @@ use crate::crd::{ControllerRegistration, RunSession};
 use crate::election::{ElectionError, ElectionStore};
 use crate::refresh::{self, NamespacedName, Receivers};
 use crate::run_registry::RegistryError;
-use crate::run_registry::service::RuntimeService;
+use crate::run_registry::service::RunRegistry;
 use crate::telemetry::Metrics;
 use crate::time::to_k8s;
 pub use backoff::Failures;
@@ -58,7 +58,7 @@ pub enum ControllerError {
 pub struct Context {
     pub client: Client,
     pub election: ElectionStore,
-    pub runtime: RuntimeService,
+    pub registry: RunRegistry,
     pub recorder: Recorder,
     pub stale_after: chrono::Duration,
     pub metrics: Arc<Metrics>,
@@ -312,7 +312,7 @@ pub async fn run_reaper(ctx: Arc<Context>, interval: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        match ctx.runtime.jobs.reap().await {
+        match ctx.registry.jobs.reap().await {
             Ok(0) => {}
             Ok(n) => info!(jobs = n, "visibility timeout: jobs returned to the queue"),
             Err(e) => warn!(error = %e, "job reaper failed; next attempt at the next interval"),
@@ -329,7 +329,7 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let up = ctx.runtime.sessions.ping().await.is_ok();
+        let up = ctx.registry.sessions.ping().await.is_ok();
         if up == was_up {
             continue;
         }
@@ -341,7 +341,7 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
         }
         let refreshed = async {
             let all: Vec<NamespacedName> = ctx
-                .runtime
+                .registry
                 .identities
                 .all_live()
                 .await?

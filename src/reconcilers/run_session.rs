@@ -76,7 +76,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
     let now = Utc::now();
     let generation = obj.metadata.generation;
 
-    let (next, requeue) = match ctx.runtime.identities.mirror(&identity).await? {
+    let (next, requeue) = match ctx.registry.identities.mirror(&identity).await? {
         Mirror::Duplicate { owner_namespace, owner_name } => {
             let msg = format!(
                 "{}/{} is already claimed by RunSession {owner_namespace}/{owner_name}; this one is not used",
@@ -86,9 +86,9 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
         }
         Mirror::Owned { rotated } => {
             let credential_rotated = rotated && revoke_session(ctx, obj, &address).await;
-            let lease_len = Duration::from_secs(u64::from(ctx.runtime.lease_seconds(&identity)));
+            let lease_len = Duration::from_secs(u64::from(ctx.registry.lease_seconds(&identity)));
             let shown = SessionView::shown_in(&previous);
-            let (view, requeue) = match ctx.runtime.sessions.session(&address).await {
+            let (view, requeue) = match ctx.registry.sessions.session(&address).await {
                 Ok(session) => {
                     // A session opened with an older key does not count.
                     let session = session.filter(|s| s.generation == identity.key_generation);
@@ -118,7 +118,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
 /// failure is logged and leaves the reason unchanged: the old key no longer proves
 /// possession anyway, and the lease runs out on its own.
 async fn revoke_session(ctx: &Context, obj: &RunSession, address: &RunAddress) -> bool {
-    match ctx.runtime.sessions.revoke(address).await {
+    match ctx.registry.sessions.revoke(address).await {
         Ok(revoked) => {
             if revoked {
                 info!(name = %obj.name_any(), "credential rotated; live session revoked");
@@ -136,8 +136,8 @@ async fn revoke_session(ctx: &Context, obj: &RunSession, address: &RunAddress) -
 /// Its queued jobs stay queued (they are durable, and addressed to the identity).
 async fn cleanup(obj: &RunSession, ctx: &Context) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
-    if ctx.runtime.identities.revoke(identity.id).await? {
-        ctx.runtime.sessions.revoke(&identity.address()).await?;
+    if ctx.registry.identities.revoke(identity.id).await? {
+        ctx.registry.sessions.revoke(&identity.address()).await?;
         info!(name = %obj.name_any(), "RunSession deleted; identity revoked");
     }
     Ok(Action::await_change())

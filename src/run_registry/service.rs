@@ -190,14 +190,14 @@ pub fn token_hash(token: &str) -> String {
 }
 
 #[derive(Clone)]
-pub struct RuntimeService {
+pub struct RunRegistry {
     pub sessions: SessionStore,
     pub identities: IdentityStore,
     pub jobs: JobStore,
     pub default_lease_seconds: u32,
 }
 
-impl RuntimeService {
+impl RunRegistry {
     pub fn lease_seconds(&self, identity: &Identity) -> u32 {
         identity.lease_seconds.map(|s| s.max(1) as u32).unwrap_or(self.default_lease_seconds)
     }
