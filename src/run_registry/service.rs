@@ -189,6 +189,7 @@ pub fn token_hash(token: &str) -> String {
     Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// What Runs do, as one service over the three stores: hello, heartbeat, claim, steps.
 #[derive(Clone)]
 pub struct RunRegistry {
     pub sessions: SessionStore,
