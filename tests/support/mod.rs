@@ -15,8 +15,13 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::events::v1::Event;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
+use prism_operator::crd::{
+    AgentSurface, ControllerRegistration, ControllerRegistrationSpec, ControllerRegistrationStatus, Role, RunPhase,
+    RunSession,
+};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 
@@ -454,6 +459,66 @@ where
         assert!(std::time::Instant::now() < deadline, "timed out after {secs}s waiting for {what}");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+}
+
+/// Polls the named object until `pred` holds for it; returns it (fails the test after
+/// `secs` seconds).
+pub async fn wait_for<K>(api: &Api<K>, name: &str, secs: u64, what: &str, pred: impl Fn(&K) -> bool) -> K
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    eventually(secs, what, || async {
+        let obj = api.get_opt(name).await.ok().flatten()?;
+        pred(&obj).then_some(obj)
+    })
+    .await
+}
+
+/// A ControllerRegistration as an agent creates it.
+pub fn creg(name: &str, project: &str, session: &str, surface: AgentSurface) -> ControllerRegistration {
+    ControllerRegistration::new(
+        name,
+        ControllerRegistrationSpec { project_id: project.into(), session_id: session.into(), agent_surface: surface },
+    )
+}
+
+/// Waits (10 s) until the named registration's status satisfies `pred`.
+pub async fn wait_status(
+    api: &Api<ControllerRegistration>,
+    name: &str,
+    what: &str,
+    pred: impl Fn(&ControllerRegistrationStatus) -> bool,
+) -> ControllerRegistration {
+    wait_for(api, name, 10, what, |r| r.status.as_ref().is_some_and(&pred)).await
+}
+
+/// Waits until the named registration's status shows `want`.
+pub async fn role(api: &Api<ControllerRegistration>, name: &str, want: Role, secs: u64) -> ControllerRegistration {
+    wait_for(api, name, secs, &format!("{name} {want:?}"), |r| r.status.as_ref().is_some_and(|s| s.role == want)).await
+}
+
+/// Waits until the named RunSession's status shows `want`.
+pub async fn phase(api: &Api<RunSession>, name: &str, want: RunPhase, secs: u64) -> RunSession {
+    wait_for(api, name, secs, &format!("{name} {want:?}"), |r| r.status.as_ref().is_some_and(|s| s.phase == want)).await
+}
+
+/// Live masters of a project in Postgres (the election's source of truth).
+pub async fn live_masters(pool: &PgPool, ns: &str, project: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND project_id = $2 AND is_master AND released_at IS NULL",
+    )
+    .bind(ns)
+    .bind(project)
+    .fetch_one(pool)
+    .await
+    .expect("count masters")
+}
+
+/// The events.k8s.io Events about the named object in `ns`.
+pub async fn events_about(client: &Client, ns: &str, name: &str) -> Vec<Event> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let list = events.list(&Default::default()).await.expect("list events");
+    list.items.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)).collect()
 }
 
 /// A ServiceAccount in `namespace` bound to `verbs` on controllerregistrations there,
