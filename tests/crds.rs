@@ -25,7 +25,8 @@ fn crds_dir_matches_crdgen() {
     assert_eq!(files.len(), 2, "crds/ holds exactly the two generated CRDs, found {files:?}");
 }
 
-fn creg(name: &str, project: &str, session: &str, surface: &str) -> DynamicObject {
+/// A registration as untyped JSON: any surface string, valid or not, reaches the API server.
+fn creg_json(name: &str, project: &str, session: &str, surface: &str) -> DynamicObject {
     serde_json::from_value(json!({
         "apiVersion": "prism.ntecdev.ai/v1alpha1",
         "kind": "ControllerRegistration",
@@ -65,14 +66,14 @@ async fn valid_registration_is_accepted_and_bad_surface_rejected() {
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
 
     let created = api
-        .create(&PostParams::default(), &creg("desk", "PID-PGR01", "s-1", "claude_desktop"))
+        .create(&PostParams::default(), &creg_json("desk", "PID-PGR01", "s-1", "claude_desktop"))
         .await
         .expect("valid registration accepted");
     assert_eq!(created.data["spec"]["agentSurface"], "claude_desktop");
 
     for surface in ["emacs", "Claude_Desktop", ""] {
         let err = api
-            .create(&PostParams::default(), &creg("bad", "PID-PGR01", "s-2", surface))
+            .create(&PostParams::default(), &creg_json("bad", "PID-PGR01", "s-2", surface))
             .await
             .expect_err("bad surface rejected");
         let (code, message) = api_error(err);
@@ -83,7 +84,7 @@ async fn valid_registration_is_accepted_and_bad_surface_rejected() {
     let long = "P".repeat(129);
     for project in ["", long.as_str()] {
         let (code, message) = api_error(
-            api.create(&PostParams::default(), &creg("bad", project, "s-3", "codex"))
+            api.create(&PostParams::default(), &creg_json("bad", project, "s-3", "codex"))
                 .await
                 .expect_err("bad project rejected"),
         );
@@ -102,7 +103,7 @@ async fn registration_spec_is_immutable() {
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
     let ar = ApiResource::erase::<ControllerRegistration>(&());
     let dynamic: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
-    dynamic.create(&PostParams::default(), &creg("code", "PID-A", "s-1", "claude_code")).await.expect("created");
+    dynamic.create(&PostParams::default(), &creg_json("code", "PID-A", "s-1", "claude_code")).await.expect("created");
 
     for (field, value) in [("projectId", "PID-B"), ("sessionId", "s-9"), ("agentSurface", "claude_desktop")] {
         let patch = json!({"spec": {field: value}});
@@ -126,10 +127,10 @@ async fn kubectl_get_prints_the_columns() {
     let ns = support::namespace(&client, "cols").await;
     let ar = ApiResource::erase::<ControllerRegistration>(&());
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
-    api.create(&PostParams::default(), &creg("desk-pgr01", "PID-PGR01", "7f6c", "claude_desktop"))
+    api.create(&PostParams::default(), &creg_json("desk-pgr01", "PID-PGR01", "7f6c", "claude_desktop"))
         .await
         .expect("created");
-    api.create(&PostParams::default(), &creg("code-other", "PID-OTHER", "8a1d", "codex")).await.expect("created");
+    api.create(&PostParams::default(), &creg_json("code-other", "PID-OTHER", "8a1d", "codex")).await.expect("created");
     let rs_ar = ApiResource::erase::<RunSession>(&());
     let rs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &rs_ar);
     rs.create(&PostParams::default(), &rsess("srv-eu1-7-run", "srv-eu1-7", "run", KEY_A, 3)).await.expect("created");

@@ -7,41 +7,9 @@ use std::collections::BTreeMap;
 
 use kube::api::{DeleteParams, PostParams};
 use kube::{Api, ResourceExt};
-use prism_operator::crd::{AgentSurface, ControllerRegistration, ControllerRegistrationSpec, ReleaseReason, Role};
+use prism_operator::crd::{AgentSurface, ControllerRegistration, ReleaseReason, Role};
 use serde_json::{Value, json};
-use support::{Operator, TestDb, control_plane, eventually};
-
-fn creg(name: &str, project: &str, session: &str, surface: AgentSurface) -> ControllerRegistration {
-    ControllerRegistration::new(
-        name,
-        ControllerRegistrationSpec { project_id: project.into(), session_id: session.into(), agent_surface: surface },
-    )
-}
-
-/// Waits until the named registration's status satisfies `pred`.
-async fn wait_status(
-    api: &Api<ControllerRegistration>,
-    name: &str,
-    what: &str,
-    pred: impl Fn(&prism_operator::crd::ControllerRegistrationStatus) -> bool,
-) -> ControllerRegistration {
-    eventually(10, what, || async {
-        let obj = api.get_opt(name).await.ok().flatten()?;
-        obj.status.as_ref().filter(|s| pred(s)).map(|_| obj.clone())
-    })
-    .await
-}
-
-async fn live_masters(db: &TestDb, ns: &str, project: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND project_id = $2 AND is_master AND released_at IS NULL",
-    )
-    .bind(ns)
-    .bind(project)
-    .fetch_one(&db.pool)
-    .await
-    .expect("count masters")
-}
+use support::{Operator, TestDb, control_plane, creg, eventually, live_masters, wait_status};
 
 async fn events_for(client: &kube::Client, ns: &str, name: &str) -> Vec<String> {
     event_counts(client, ns, name).await.into_iter().map(|(reason, _)| reason).collect()
@@ -49,14 +17,25 @@ async fn events_for(client: &kube::Client, ns: &str, name: &str) -> Vec<String> 
 
 /// (reason, how often it was recorded: a repeat becomes a series on the same Event).
 async fn event_counts(client: &kube::Client, ns: &str, name: &str) -> Vec<(String, i32)> {
-    use k8s_openapi::api::events::v1::Event;
-    let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    let list = events.list(&Default::default()).await.expect("events");
-    list.items
+    support::events_about(client, ns, name)
+        .await
         .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
         .filter_map(|e| Some((e.reason?, e.series.map_or(1, |s| s.count))))
         .collect()
+}
+
+/// The project's election history: (term, master's resource name, cause), oldest first.
+async fn history(pool: &sqlx::PgPool, ns: &str, project: &str) -> Vec<(i64, Option<String>, String)> {
+    sqlx::query_as(
+        "SELECT e.term, r.name, e.cause FROM controller_election_events e
+         LEFT JOIN controller_registrations r ON r.id = e.master_id
+         WHERE e.namespace = $1 AND e.project_id = $2 ORDER BY e.id",
+    )
+    .bind(ns)
+    .bind(project)
+    .fetch_all(pool)
+    .await
+    .expect("election history")
 }
 
 #[tokio::test]
@@ -95,7 +74,7 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
         s.master.as_ref().map(|m| m.name.as_str()) == Some("desk-c")
     })
     .await;
-    assert_eq!(live_masters(&db, &ns, "PID-PGR01").await, 1);
+    assert_eq!(live_masters(&db.pool, &ns, "PID-PGR01").await, 1);
     let events = eventually(10, "Preempted event", || async {
         let e = events_for(&client, &ns, "code-a").await;
         e.iter().any(|r| r == "Preempted").then_some(e)
@@ -144,16 +123,30 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
     })
     .await;
 
-    // With no peers left, the next registration masters.
-    for name in ["code-a", "codex-b"] {
-        api.delete(name, &DeleteParams::default()).await.expect("delete");
-    }
+    // code-a wraps too: its last peer, codex-b, is promoted in term 4.
+    api.delete("code-a", &DeleteParams::default()).await.expect("delete");
+    wait_status(&api, "codex-b", "codex-b promoted", |s| s.role == Role::Master && s.term == Some(4)).await;
+    // The last one wraps: the project has no master and, with no new master, no new term.
+    api.delete("codex-b", &DeleteParams::default()).await.expect("delete");
     eventually(10, "all gone", || async { api.list(&Default::default()).await.ok()?.items.is_empty().then_some(()) })
         .await;
+    assert_eq!(live_masters(&db.pool, &ns, "PID-PGR01").await, 0);
+    // With no one left, the next registration masters, and terms never go back:
+    // 1 code-a, 2 desk-c, 3 code-a again, 4 codex-b, 5 this one.
     api.create(&pp, &creg("cursor-d", "PID-PGR01", "s-d", AgentSurface::Cursor)).await.expect("create");
     let d = wait_status(&api, "cursor-d", "cursor-d master", |s| s.role == Role::Master).await;
-    // Terms never go back: 1 code-a, 2 desk-c, 3 code-a again, maybe 4 codex-b, then this.
-    assert!(d.status.and_then(|s| s.term).is_some_and(|t| t >= 4));
+    assert_eq!(d.status.and_then(|s| s.term), Some(5));
+    assert_eq!(
+        history(&db.pool, &ns, "PID-PGR01").await,
+        [
+            (1, Some("code-a".to_string()), "elected".to_string()),
+            (2, Some("desk-c".to_string()), "preempted".to_string()),
+            (3, Some("code-a".to_string()), "wrapped".to_string()),
+            (4, Some("codex-b".to_string()), "wrapped".to_string()),
+            (4, None, "wrapped".to_string()),
+            (5, Some("cursor-d".to_string()), "elected".to_string()),
+        ]
+    );
 }
 
 #[tokio::test]
@@ -291,46 +284,102 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
 }
 
 #[tokio::test]
-async fn scenario_7_stale_registrations_are_swept_and_succeeded() {
+async fn scenario_7_stale_registrations_are_swept_and_a_heartbeat_keeps_its_own() {
     let cp = control_plane();
     let client = cp.client().await;
     let ns = support::namespace(&client, "sweep").await;
     let db = TestDb::new().await;
-    let _op = Operator::start(
+    // The first operator finds nothing stale (a week's threshold), so the registrations'
+    // ages are set up below without a sweep racing the setup.
+    let op = Operator::start(cp, &db.url, &ns, &[("PRISM_CONTROLLER_PEER_STALE_MINUTES", "10080")]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create"]);
+    let http = support::http();
+    let heartbeat = |op: &Operator, session: &str| {
+        http.post(op.url("/api/v1/controller/heartbeat"))
+            .bearer_auth(&token)
+            .json(&json!({"namespace": ns, "session_id": session}))
+            .send()
+    };
+    let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
+    let pp = PostParams::default();
+    api.create(&pp, &creg("m", "P", "s-m", AgentSurface::Codex)).await.expect("create");
+    wait_status(&api, "m", "m master", |s| s.role == Role::Master).await;
+    // q registers before p: were both kept, q would succeed m.
+    for (name, session) in [("q", "s-q"), ("p", "s-p")] {
+        api.create(&pp, &creg(name, "P", session, AgentSurface::Other)).await.expect("create");
+        wait_status(&api, name, &format!("{name} peer"), |s| s.role == Role::Peer).await;
+    }
+
+    // All three were last heard from six minutes ago; then p's agent heartbeats.
+    sqlx::query(
+        "UPDATE controller_registrations SET last_heartbeat = now() - interval '6 minutes' WHERE namespace = $1",
+    )
+    .bind(&ns)
+    .execute(&db.pool)
+    .await
+    .expect("backdate");
+    let r = heartbeat(&op, "s-p").await.expect("heartbeat");
+    assert_eq!(r.status(), 200);
+    let reply: Value = r.json().await.expect("json");
+    assert_eq!(reply, json!({"role": "Peer", "is_master": false, "you_were_preempted": false, "term": 1}));
+    let ages = || async {
+        sqlx::query_as::<_, (String, f64)>(
+            "SELECT name, extract(epoch FROM now() - last_heartbeat)::float8 FROM controller_registrations
+             WHERE namespace = $1 ORDER BY name",
+        )
+        .bind(&ns)
+        .fetch_all(&db.pool)
+        .await
+        .expect("heartbeat ages")
+    };
+    // The write is coalesced: it lands within the coalescing window.
+    let ages = eventually(10, "p's heartbeat written", || async {
+        let ages = ages().await;
+        ages.iter().any(|(name, age)| name == "p" && *age < 60.0).then_some(ages)
+    })
+    .await;
+    let others: Vec<&str> = ages.iter().filter(|(_, age)| *age >= 360.0).map(|(name, _)| name.as_str()).collect();
+    assert_eq!(others, ["m", "q"], "only p's heartbeat moved: {ages:?}");
+
+    // A replica sweeping every second with a five-minute threshold takes over (the first
+    // one stops, as a replaced pod does); the sweep also runs at its start.
+    drop(op);
+    let op = Operator::start(
         cp,
         &db.url,
         &ns,
         &[("PRISM_SWEEP_INTERVAL_SECONDS", "1"), ("PRISM_CONTROLLER_PEER_STALE_MINUTES", "5")],
     )
     .await;
-    let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    api.create(&PostParams::default(), &creg("m", "P", "s-m", AgentSurface::Codex)).await.expect("create");
-    wait_status(&api, "m", "m master", |s| s.role == Role::Master).await;
-    api.create(&PostParams::default(), &creg("p", "P", "s-p", AgentSurface::Other)).await.expect("create");
-    wait_status(&api, "p", "p peer", |s| s.role == Role::Peer).await;
-
-    sqlx::query("UPDATE controller_registrations SET last_heartbeat = now() - interval '6 minutes' WHERE namespace = $1 AND name = 'm'")
-        .bind(&ns)
-        .execute(&db.pool)
-        .await
-        .expect("backdate");
-    let m = wait_status(&api, "m", "m swept", |s| s.role == Role::Released).await;
-    let st = m.status.expect("status");
-    assert_eq!(st.release_reason, Some(ReleaseReason::StaleHeartbeatIncident));
-    assert!(st.conditions.iter().any(|c| c.type_ == "Stale" && c.status == "True"));
+    for name in ["m", "q"] {
+        let swept = wait_status(&api, name, &format!("{name} swept"), |s| s.role == Role::Released).await;
+        let st = swept.status.expect("status");
+        assert_eq!(st.release_reason, Some(ReleaseReason::StaleHeartbeatIncident), "{name}");
+        assert!(st.conditions.iter().any(|c| c.type_ == "Stale" && c.status == "True"), "{name}: {st:?}");
+    }
+    // The heartbeat kept p: it is the one live registration left, and masters in term 2.
     let p = wait_status(&api, "p", "p promoted", |s| s.role == Role::Master).await;
     assert_eq!(p.status.and_then(|s| s.term), Some(2));
-    let cause: String = sqlx::query_scalar(
-        "SELECT cause FROM controller_election_events WHERE namespace = $1 ORDER BY id DESC LIMIT 1",
-    )
-    .bind(&ns)
-    .fetch_one(&db.pool)
-    .await
-    .expect("event");
-    assert_eq!(cause, "stale_heartbeat_incident");
-    // A fresh heartbeat keeps a registration: p stays.
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    assert_eq!(api.get("p").await.expect("get").status.map(|s| s.role), Some(Role::Master));
+    let live: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM controller_registrations WHERE namespace = $1 AND released_at IS NULL")
+            .bind(&ns)
+            .fetch_all(&db.pool)
+            .await
+            .expect("live registrations");
+    assert_eq!(live, ["p"]);
+    assert_eq!(
+        history(&db.pool, &ns, "P").await,
+        [
+            (1, Some("m".to_string()), "elected".to_string()),
+            (2, Some("p".to_string()), "stale_heartbeat_incident".to_string()),
+        ]
+    );
+    // The agents learn it at their next heartbeat: p is master, q is registered no more.
+    let reply: Value = heartbeat(&op, "s-p").await.expect("heartbeat").json().await.expect("json");
+    assert_eq!(reply, json!({"role": "Master", "is_master": true, "you_were_preempted": false, "term": 2}));
+    let r = heartbeat(&op, "s-q").await.expect("heartbeat");
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], "not_registered");
 }
 
 #[tokio::test]
@@ -358,7 +407,7 @@ async fn fifty_concurrent_registrations_elect_exactly_one_master() {
         (st.len() == 50).then_some(list)
     })
     .await;
-    assert_eq!(live_masters(&db, &ns, "CROWD").await, 1);
+    assert_eq!(live_masters(&db.pool, &ns, "CROWD").await, 1);
     // Statuses settle on the same single master.
     let master = eventually(15, "statuses agree", || async {
         let list = api.list(&Default::default()).await.ok()?;
@@ -483,20 +532,26 @@ async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
     // Converges: m released and gone; the desktop masters; p is its peer.
     eventually(30, "m released and deleted", || async { api.get_opt("m").await.ok()?.is_none().then_some(()) }).await;
     let d = wait_status(&api, "d", "desktop master", |s| s.role == Role::Master).await;
-    assert!(d.status.and_then(|s| s.term).is_some_and(|t| t >= 2));
     wait_status(&api, "p", "p peer of d", |s| {
         s.role == Role::Peer && s.master.as_ref().map(|m| m.name.as_str()) == Some("d")
     })
     .await;
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&pg.url).await.expect("reconnect");
-    let masters: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND is_master AND released_at IS NULL",
-    )
-    .bind(&ns)
-    .fetch_one(&pool)
-    .await
-    .expect("count");
-    assert_eq!(masters, 1);
+    assert_eq!(live_masters(&pool, &ns, "P").await, 1);
+    // The wrap of m and the desktop's registration were both waiting for the database;
+    // either may commit first, and the history says which did: m wrapped first (p
+    // promoted in term 2, the desktop preempts it in term 3), or the desktop preempted m
+    // in term 2 (m's wrap, a peer's by then, changes no master). Nothing else.
+    let history = history(&pool, &ns, "P").await;
+    let (m, p, d_) = (Some("m".to_string()), Some("p".to_string()), Some("d".to_string()));
+    let wrap_first = [
+        (1, m.clone(), "elected".to_string()),
+        (2, p, "wrapped".to_string()),
+        (3, d_.clone(), "preempted".to_string()),
+    ];
+    let desktop_first = [(1, m, "elected".to_string()), (2, d_, "preempted".to_string())];
+    assert!(history == wrap_first || history == desktop_first, "{history:?}");
+    assert_eq!(d.status.and_then(|s| s.term), history.last().map(|(term, _, _)| *term), "{history:?}");
     let r = http.get(op.url("/readyz")).send().await.expect("readyz");
     assert_eq!(r.status(), 200);
 }

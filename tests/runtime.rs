@@ -7,13 +7,13 @@ mod support;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
+use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, ResourceExt};
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec, UnavailableReason};
 use prism_operator::run_client::{self, RunClient};
 use prism_operator::run_registry::jobs::JobState;
 use serde_json::{Value, json};
-use support::{Operator, PrivateRedis, TestDb, control_plane, eventually};
+use support::{Operator, PrivateRedis, TestDb, control_plane, eventually, phase};
 
 struct World {
     cp: &'static support::ControlPlane,
@@ -65,14 +65,6 @@ impl World {
         RunClient::new(&self.op.base, server, "run", 1, key)
     }
 
-    async fn phase(&self, name: &str, want: RunPhase, secs: u64) -> RunSession {
-        eventually(secs, &format!("{name} {want:?}"), || async {
-            let r = self.api.get_opt(name).await.ok().flatten()?;
-            (r.status.as_ref()?.phase == want).then_some(r)
-        })
-        .await
-    }
-
     fn enqueue_token(&self) -> String {
         support::sa_token(self.cp, &self.ns, "dispatcher", "runsessions", &["get", "update"])
     }
@@ -96,12 +88,12 @@ fn code(e: &run_client::ClientError) -> &str {
 async fn hello_heartbeat_supersede_and_online_status() {
     let w = world("hello", &[]).await;
     let mut run = w.run("srv-1-run", "srv-1", None).await;
-    w.phase("srv-1-run", RunPhase::Pending, 10).await;
+    phase(&w.api, "srv-1-run", RunPhase::Pending, 10).await;
 
     let granted = run.hello().await.expect("valid hello");
     assert_eq!(granted.lease_ttl_seconds, 30);
     assert_eq!(granted.heartbeat_interval_seconds, 10);
-    let online = w.phase("srv-1-run", RunPhase::Online, 5).await;
+    let online = phase(&w.api, "srv-1-run", RunPhase::Online, 5).await;
     let st = online.status.expect("status");
     assert!(st.online);
     assert_eq!(st.version.as_deref(), Some(env!("CARGO_PKG_VERSION")));
@@ -170,10 +162,11 @@ async fn every_failure_of_proof_is_401_with_its_code_and_changes_nothing() {
     run.post_hello(&body).await.expect("first use");
     let e = post(body).await;
     assert_eq!(code(&e), "replayed_nonce");
-    if let run_client::ClientError::Refused { status, message, .. } = &e {
-        assert_eq!(*status, 401);
-        assert_eq!(message, "hello refused", "says nothing more");
-    }
+    let run_client::ClientError::Refused { status, message, .. } = &e else {
+        panic!("a replayed nonce is refused by the operator, got {e:?}");
+    };
+    assert_eq!(*status, 401);
+    assert_eq!(message, "hello refused", "says nothing more");
     // Malformed input is a 4xx with a code, not a proof failure.
     let mut body = run.hello_body(now, "short");
     assert_eq!(code(&post(body.clone()).await), "invalid_request");
@@ -188,9 +181,9 @@ async fn a_silent_run_goes_offline_within_the_lease_and_hello_again_works() {
     let mut run = w.run("srv-3-run", "srv-3", Some(5)).await;
     let granted = run.hello().await.expect("hello");
     assert_eq!(granted.lease_ttl_seconds, 5);
-    w.phase("srv-3-run", RunPhase::Online, 5).await;
+    phase(&w.api, "srv-3-run", RunPhase::Online, 5).await;
     let last = Instant::now();
-    let off = w.phase("srv-3-run", RunPhase::Offline, 15).await;
+    let off = phase(&w.api, "srv-3-run", RunPhase::Offline, 15).await;
     let took = last.elapsed();
     assert!(took <= Duration::from_secs(8), "offline after {took:?}; lease 5 s + 2 s allowed (+1 s test polling)");
     let st = off.status.expect("status");
@@ -198,7 +191,7 @@ async fn a_silent_run_goes_offline_within_the_lease_and_hello_again_works() {
     assert!(!st.online);
     assert_eq!(code(&run.heartbeat().await.expect_err("expired")), "session_expired");
     run.hello().await.expect("hello again");
-    w.phase("srv-3-run", RunPhase::Online, 5).await;
+    phase(&w.api, "srv-3-run", RunPhase::Online, 5).await;
 }
 
 #[tokio::test]
@@ -287,7 +280,7 @@ async fn redis_down_flushed_and_operator_restarted() {
     let mut w = world("redis", &[]).await;
     let mut run = w.run("srv-r-run", "srv-r", None).await;
     run.hello().await.expect("hello");
-    w.phase("srv-r-run", RunPhase::Online, 5).await;
+    phase(&w.api, "srv-r-run", RunPhase::Online, 5).await;
     let token = w.enqueue_token();
     assert_eq!(w.enqueue(&token, "srv-r", "config").await.status(), 201);
 
@@ -325,7 +318,7 @@ async fn redis_down_flushed_and_operator_restarted() {
         .await
         .expect("count");
     assert_eq!(queued, 1, "no job assigned while Redis is down");
-    let un = w.phase("srv-r-run", RunPhase::Unavailable, 15).await;
+    let un = phase(&w.api, "srv-r-run", RunPhase::Unavailable, 15).await;
     assert_eq!(un.status.and_then(|s| s.unavailable_reason), Some(UnavailableReason::RedisUnavailable));
 
     // Redis back, but empty (it lost its data): Runs are offline until they say hello;
@@ -333,7 +326,7 @@ async fn redis_down_flushed_and_operator_restarted() {
     w.redis.up();
     w.redis.flushall();
     assert_eq!(code(&run.heartbeat().await.expect_err("session gone")), "session_expired");
-    w.phase("srv-r-run", RunPhase::Offline, 15).await;
+    phase(&w.api, "srv-r-run", RunPhase::Offline, 15).await;
     assert!(w.api.get_opt("srv-r-run").await.expect("get").is_some());
     let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE state = 'queued'")
         .fetch_one(&w.db.pool)
@@ -341,7 +334,7 @@ async fn redis_down_flushed_and_operator_restarted() {
         .expect("count");
     assert_eq!(queued, 1);
     run.hello().await.expect("hello again");
-    w.phase("srv-r-run", RunPhase::Online, 5).await;
+    phase(&w.api, "srv-r-run", RunPhase::Online, 5).await;
     assert_eq!(run.claim(5).await.expect("claim").len(), 1);
 }
 
@@ -350,10 +343,10 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     let w = world("ident", &[("RUST_LOG", "debug")]).await;
     let mut run = w.run("srv-i-run", "srv-i", None).await;
     run.hello().await.expect("hello");
-    w.phase("srv-i-run", RunPhase::Online, 5).await;
+    phase(&w.api, "srv-i-run", RunPhase::Online, 5).await;
 
     // A second resource claiming the same identity is not used.
-    let (_, other_key) = run_client::new_key().expect("key");
+    let (dup_key, other_key) = run_client::new_key().expect("key");
     let dup = RunSession::new(
         "srv-i-dup",
         RunSessionSpec {
@@ -408,7 +401,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     let (new_key, new_public) = run_client::new_key().expect("key");
     let patch = json!({"spec": {"credential": {"publicKey": new_public, "generation": 2}}});
     w.api.patch("srv-i-run", &PatchParams::default(), &Patch::Merge(&patch)).await.expect("rotate");
-    let off = w.phase("srv-i-run", RunPhase::Offline, 10).await;
+    let off = phase(&w.api, "srv-i-run", RunPhase::Offline, 10).await;
     assert_eq!(off.status.and_then(|s| s.unavailable_reason), Some(UnavailableReason::CredentialRotated));
     assert_eq!(code(&run.heartbeat().await.expect_err("revoked")), "session_expired");
     assert_eq!(code(&run.hello().await.expect_err("old key")), "stale_generation");
@@ -421,7 +414,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     assert!(c["last_heartbeat"].is_string(), "{view}");
     let mut rotated = RunClient::new(&w.op.base, "srv-i", "run", 2, new_key);
     rotated.hello().await.expect("new key works");
-    w.phase("srv-i-run", RunPhase::Online, 5).await;
+    phase(&w.api, "srv-i-run", RunPhase::Online, 5).await;
 
     // Deleting the resource revokes the identity; its queued jobs stay; the duplicate
     // then takes the identity over.
@@ -440,5 +433,16 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
         r.status.as_ref()?.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True").then_some(r)
     })
     .await;
-    assert_eq!(taken.name_any(), "srv-i-dup");
+    // It owns the identity now, but no Run has said hello with its key yet.
+    let st = taken.status.expect("status");
+    assert_eq!((st.phase, st.online, st.unavailable_reason), (RunPhase::Pending, false, None), "{st:?}");
+    assert_eq!(st.observed_generation, taken.metadata.generation);
+    let online = st.conditions.iter().find(|c| c.type_ == "Online").expect("Online condition");
+    assert_eq!((online.status.as_str(), online.reason.as_str()), ("False", "NeverConnected"), "{online:?}");
+    // Its key is the identity's key now: its Run says hello and gets the queued job.
+    let mut dup_run = RunClient::new(&w.op.base, "srv-i", "run", 1, dup_key);
+    dup_run.hello().await.expect("the duplicate's key is accepted");
+    phase(&w.api, "srv-i-dup", RunPhase::Online, 5).await;
+    let jobs = dup_run.claim(5).await.expect("claim");
+    assert_eq!(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>(), ["file"]);
 }

@@ -8,14 +8,20 @@
 //! which the operator's TokenReview/SubjectAccessReview paths need).
 #![allow(dead_code)]
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::events::v1::Event;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
+use prism_operator::crd::{
+    AgentSurface, ControllerRegistration, ControllerRegistrationSpec, ControllerRegistrationStatus, Role, RunPhase,
+    RunSession,
+};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 
@@ -313,9 +319,47 @@ pub fn redis_prefix() -> String {
     format!("prism-test-{}", uuid::Uuid::new_v4().simple())
 }
 
-/// A loopback port nobody listens on right now.
+/// Where test servers' ports come from: below the kernel's ephemeral range
+/// (/proc/sys/net/ipv4/ip_local_port_range), which every outgoing connection draws its
+/// local port from (ours, the operator's, the API server's to etcd). A port found free
+/// there cannot be taken by somebody's connect() before its server binds it; a port that
+/// the kernel handed out for `bind(0)` can.
+fn test_port_range() -> std::ops::Range<u16> {
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let end = ephemeral_start.min(32000);
+    let start = end.saturating_sub(12000).max(1024);
+    assert!(
+        end >= start + 1000,
+        "the ephemeral port range starts at {ephemeral_start}: no room below it for test ports"
+    );
+    start..end
+}
+
+/// Ports this process handed out already: two tests of one binary never get the same one.
+static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+
+/// A loopback port nobody listens on right now, outside the ephemeral range (see
+/// `test_port_range`), picked at random so concurrent test runs rarely meet; a server that
+/// still loses its port to a race fails with a bind error, which `Operator::start` retries.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    let range = test_port_range();
+    let span = u32::from(range.end - range.start);
+    for _ in 0..1000 {
+        let random = u32::from_le_bytes(uuid::Uuid::new_v4().as_bytes()[..4].try_into().expect("4 bytes"));
+        let port = range.start + (random % span) as u16;
+        let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+        if handed_out.contains(&port) {
+            continue;
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.insert(port);
+            return port;
+        }
+    }
+    panic!("no free loopback port in {range:?} after 1000 tries")
 }
 
 /// A `prism-operator run` process of the test's own, watching one namespace, killed on drop.
@@ -327,37 +371,58 @@ pub struct Operator {
 }
 
 impl Operator {
+    /// Starts the process and returns once it answers /healthz. A port lost to another
+    /// process between `free_port` and the operator's bind is retried with a new port.
     pub async fn start(cp: &ControlPlane, database_url: &str, namespace: &str, env: &[(&str, &str)]) -> Operator {
-        let port = free_port();
-        let log = std::env::temp_dir().join(format!("prism-operator-{port}-{}.log", uuid::Uuid::new_v4().simple()));
-        let out = std::fs::File::create(&log).expect("log file");
-        let err = out.try_clone().expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_prism-operator"))
-            .arg("run")
-            .env("DATABASE_URL", database_url)
-            .env("REDIS_URL", redis_url())
-            .env("PRISM_REDIS_PREFIX", redis_prefix())
-            .env("KUBECONFIG", &cp.operator_kubeconfig)
-            .env("POD_NAMESPACE", OPERATOR_NAMESPACE)
-            .env("PRISM_LISTEN", format!("127.0.0.1:{port}"))
-            .env("PRISM_WATCH_NAMESPACE", namespace)
-            .env("PRISM_LEADER_ELECTION", "false")
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
-            .env("PRISM_LOG_FORMAT", "json")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .expect("prism-operator run starts");
-        let op = Operator { base: format!("http://127.0.0.1:{port}"), log, child };
-        let http = http();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while http.get(format!("{}/healthz", op.base)).send().await.is_err() {
-            assert!(std::time::Instant::now() < deadline, "operator did not answer /healthz within 30 s");
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        const ATTEMPTS: u32 = 3;
+        for attempt in 1..=ATTEMPTS {
+            let port = free_port();
+            let log = std::env::temp_dir().join(format!("prism-operator-{port}-{}.log", uuid::Uuid::new_v4().simple()));
+            let out = std::fs::File::create(&log).expect("log file");
+            let err = out.try_clone().expect("log file");
+            let child = Command::new(env!("CARGO_BIN_EXE_prism-operator"))
+                .arg("run")
+                .env("DATABASE_URL", database_url)
+                .env("REDIS_URL", redis_url())
+                .env("PRISM_REDIS_PREFIX", redis_prefix())
+                .env("KUBECONFIG", &cp.operator_kubeconfig)
+                .env("POD_NAMESPACE", OPERATOR_NAMESPACE)
+                .env("PRISM_LISTEN", format!("127.0.0.1:{port}"))
+                .env("PRISM_WATCH_NAMESPACE", namespace)
+                .env("PRISM_LEADER_ELECTION", "false")
+                .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+                .env("PRISM_LOG_FORMAT", "json")
+                .envs(env.iter().copied())
+                .stdin(Stdio::null())
+                .stdout(out)
+                .stderr(err)
+                .spawn()
+                .expect("prism-operator run starts");
+            let mut op = Operator { base: format!("http://127.0.0.1:{port}"), log, child };
+            let http = http();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            loop {
+                if http.get(op.url("/healthz")).send().await.is_ok() {
+                    return op;
+                }
+                if let Some(status) = op.child.try_wait().expect("operator status") {
+                    let logs = op.logs();
+                    let lost_port = logs.contains("cannot listen on") && logs.contains("in use");
+                    if lost_port && attempt < ATTEMPTS {
+                        eprintln!("operator lost port {port} to another process; retrying with a new port");
+                        break;
+                    }
+                    panic!("operator exited ({status}) before answering /healthz:\n{logs}");
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "operator did not answer /healthz within 30 s:\n{}",
+                    op.logs()
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
         }
-        op
+        unreachable!("the last attempt returns or panics")
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -394,6 +459,66 @@ where
         assert!(std::time::Instant::now() < deadline, "timed out after {secs}s waiting for {what}");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+}
+
+/// Polls the named object until `pred` holds for it; returns it (fails the test after
+/// `secs` seconds).
+pub async fn wait_for<K>(api: &Api<K>, name: &str, secs: u64, what: &str, pred: impl Fn(&K) -> bool) -> K
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    eventually(secs, what, || async {
+        let obj = api.get_opt(name).await.ok().flatten()?;
+        pred(&obj).then_some(obj)
+    })
+    .await
+}
+
+/// A ControllerRegistration as an agent creates it.
+pub fn creg(name: &str, project: &str, session: &str, surface: AgentSurface) -> ControllerRegistration {
+    ControllerRegistration::new(
+        name,
+        ControllerRegistrationSpec { project_id: project.into(), session_id: session.into(), agent_surface: surface },
+    )
+}
+
+/// Waits (10 s) until the named registration's status satisfies `pred`.
+pub async fn wait_status(
+    api: &Api<ControllerRegistration>,
+    name: &str,
+    what: &str,
+    pred: impl Fn(&ControllerRegistrationStatus) -> bool,
+) -> ControllerRegistration {
+    wait_for(api, name, 10, what, |r| r.status.as_ref().is_some_and(&pred)).await
+}
+
+/// Waits until the named registration's status shows `want`.
+pub async fn role(api: &Api<ControllerRegistration>, name: &str, want: Role, secs: u64) -> ControllerRegistration {
+    wait_for(api, name, secs, &format!("{name} {want:?}"), |r| r.status.as_ref().is_some_and(|s| s.role == want)).await
+}
+
+/// Waits until the named RunSession's status shows `want`.
+pub async fn phase(api: &Api<RunSession>, name: &str, want: RunPhase, secs: u64) -> RunSession {
+    wait_for(api, name, secs, &format!("{name} {want:?}"), |r| r.status.as_ref().is_some_and(|s| s.phase == want)).await
+}
+
+/// Live masters of a project in Postgres (the election's source of truth).
+pub async fn live_masters(pool: &PgPool, ns: &str, project: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND project_id = $2 AND is_master AND released_at IS NULL",
+    )
+    .bind(ns)
+    .bind(project)
+    .fetch_one(pool)
+    .await
+    .expect("count masters")
+}
+
+/// The events.k8s.io Events about the named object in `ns`.
+pub async fn events_about(client: &Client, ns: &str, name: &str) -> Vec<Event> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let list = events.list(&Default::default()).await.expect("list events");
+    list.items.into_iter().filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)).collect()
 }
 
 /// A ServiceAccount in `namespace` bound to `verbs` on controllerregistrations there,
