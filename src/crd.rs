@@ -95,7 +95,7 @@ impl AgentSurface {
 /// the HTTP API and the routing table use the same spelling.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Role {
-    /// Not (yet) in the election.
+    // Not (yet) in the election. (A doc comment here would reorder the schema's enum.)
     #[default]
     Pending,
     Master,
