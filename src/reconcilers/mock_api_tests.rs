@@ -23,7 +23,7 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use tower_test::mock::{Handle, SendResponse};
 
-use super::registration::{REGISTRATION_HEARTBEAT_RESOLUTION, ensure_label};
+use super::registration::{REGISTRATION_HEARTBEAT_RESOLUTION, add_finalizer_with_label, ensure_label};
 use super::status::{Written, write_status};
 use super::{ControllerError, FIELD_MANAGER, finalized, recorder};
 use crate::crd::{
@@ -228,6 +228,65 @@ async fn with_finalizer_and_label_from_admission_apply_writes_nothing() {
 }
 
 // ---- the finalizer ----------------------------------------------------------------
+
+#[tokio::test]
+async fn finalizer_and_label_missing_are_written_in_one_patch_and_apply_runs_at_once() {
+    let obj = Arc::new(with_finalizers(registration("3"), &["other.io/keep"]));
+    let applied = Arc::new(AtomicBool::new(false));
+    let result = against(
+        |mut server| async move {
+            let patch = next(&mut server).await;
+            assert!(patch.is("PATCH", REGISTRATION));
+            assert_eq!(patch.content_type, "application/merge-patch+json");
+            assert_eq!(patch.body["metadata"]["finalizers"], json!(["other.io/keep", REGISTRATION_FINALIZER]));
+            assert_eq!(patch.body["metadata"]["labels"][PROJECT_LABEL], "PID-1");
+            assert_eq!(patch.body["metadata"]["resourceVersion"], "3");
+            let done = labelled(with_finalizers(registration("4"), &["other.io/keep", REGISTRATION_FINALIZER]));
+            patch.answer(200, &to_json(&done));
+            server
+        },
+        |client| {
+            let applied = applied.clone();
+            async move {
+                let api = Api::namespaced(client, "ns");
+                let api = &api;
+                let prepared = add_finalizer_with_label(api, obj).await;
+                finalized(api, REGISTRATION_FINALIZER, prepared, |event| async move {
+                    let Finalizer::Apply(obj) = event else { panic!("not deleting") };
+                    assert!(ensure_label(api, &obj).await.is_none(), "the label is there: no second write");
+                    applied.store(true, Ordering::SeqCst);
+                    Ok(Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION))
+                })
+                .await
+            }
+        },
+    )
+    .await;
+    assert_eq!(result.expect("reconciled"), Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION));
+    assert!(applied.load(Ordering::SeqCst), "apply ran in the same reconcile");
+}
+
+#[tokio::test]
+async fn a_failed_combined_patch_leaves_the_finalizer_to_finalizer() {
+    let obj = Arc::new(registration("3"));
+    let back = against(
+        |mut server| async move {
+            let patch = next(&mut server).await;
+            assert!(patch.is("PATCH", REGISTRATION));
+            patch.fail(409, "Conflict");
+            server
+        },
+        |client| async move {
+            let api: Api<ControllerRegistration> = Api::namespaced(client, "ns");
+            add_finalizer_with_label(&api, obj.clone()).await
+        },
+    )
+    .await;
+    assert_eq!(back.resource_version().as_deref(), Some("3"), "unchanged: finalizer() adds it the usual way");
+    let with_label = labelled(registration("5"));
+    assert!(super::registration::finalizer_and_label_patch(&with_label).is_none(), "label there: finalizer() alone");
+    assert!(super::registration::finalizer_and_label_patch(&deleting(registration("6"))).is_none());
+}
 
 #[tokio::test]
 async fn the_finalizer_is_added_when_missing_and_apply_waits_for_it() {

@@ -87,6 +87,13 @@ pub trait Reconciled:
     /// The `controller` label of the reconcile metrics.
     const METRIC: &'static str;
 
+    /// Before kube's `finalizer()` looks at the resource: a chance to write metadata the
+    /// resource lacks together with the finalizer (see the registrations'). The default
+    /// changes nothing.
+    fn prepare(obj: Arc<Self>, _api: &Api<Self>) -> impl Future<Output = Arc<Self>> + Send {
+        async move { obj }
+    }
+
     /// The resource exists (and carries the finalizer): bring the world and its status in line.
     fn apply(
         obj: Arc<Self>,
@@ -114,7 +121,8 @@ pub async fn reconcile<K: Reconciled>(obj: Arc<K>, ctx: Arc<Context>) -> Result<
     let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
     let started = std::time::Instant::now();
-    let result = finalized(&api, K::FINALIZER, obj.clone(), |event| async {
+    let prepared = K::prepare(obj.clone(), &api).await;
+    let result = finalized(&api, K::FINALIZER, prepared, |event| async {
         match event {
             Finalizer::Apply(obj) => K::apply(obj, &api, &ctx).await,
             Finalizer::Cleanup(obj) => K::cleanup(obj, &ctx).await,

@@ -14,7 +14,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 use super::status::{ObservedStatus, StatusEvent, publish, write_status};
@@ -39,6 +39,10 @@ impl Reconciled for ControllerRegistration {
     /// the promotion of a successor) is committed.
     const FINALIZER: &'static str = REGISTRATION_FINALIZER;
     const METRIC: &'static str = "controllerregistration";
+
+    async fn prepare(obj: Arc<Self>, api: &Api<Self>) -> Arc<Self> {
+        add_finalizer_with_label(api, obj).await
+    }
 
     async fn apply(obj: Arc<Self>, api: &Api<Self>, ctx: &Context) -> Result<Action, ControllerError> {
         let current = ensure_label(api, &obj).await;
@@ -108,6 +112,42 @@ pub async fn ensure_label(
     }
     warn!("could not set the project label: the resource kept changing; next reconcile retries");
     fresh
+}
+
+/// A registration applied without the chart's admission policy lacks both the finalizer
+/// and the project label. Writing both in one merge patch (guarded by resourceVersion)
+/// lets this reconcile go straight on to the election, where kube's `finalizer()` alone
+/// would add the finalizer, wait for that change to come back as another reconcile, and
+/// then the label would take a second patch: one API write and one reconcile fewer per
+/// registration, which matters when many register at once and the API server is what
+/// they wait on. Any failure leaves the resource as it was: `finalizer()` then adds the
+/// finalizer its own way, and the label follows in `apply`.
+pub async fn add_finalizer_with_label(
+    api: &Api<ControllerRegistration>,
+    obj: Arc<ControllerRegistration>,
+) -> Arc<ControllerRegistration> {
+    let Some(patch) = finalizer_and_label_patch(&obj) else { return obj };
+    match api.patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&patch)).await {
+        Ok(updated) => Arc::new(updated),
+        Err(e) => {
+            debug!(error = %e, "finalizer and label in one patch failed; adding them one by one");
+            obj
+        }
+    }
+}
+
+/// The label patch plus the finalizer list with ours appended, when both are missing
+/// on a live resource (None otherwise).
+pub fn finalizer_and_label_patch(obj: &ControllerRegistration) -> Option<serde_json::Value> {
+    let has_finalizer = obj.finalizers().iter().any(|f| f == REGISTRATION_FINALIZER);
+    if has_finalizer || obj.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let mut patch = label_patch(obj)?;
+    let mut finalizers = obj.finalizers().to_vec();
+    finalizers.push(REGISTRATION_FINALIZER.to_string());
+    patch["metadata"]["finalizers"] = json!(finalizers);
+    Some(patch)
 }
 
 /// The merge patch that sets the project label (None: it is set, or the project id is
