@@ -19,7 +19,9 @@ use crate::crd::{
     ReleaseReason, Role, is_label_value,
 };
 use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
-use crate::election::{ElectionError, ElectionStore, LiveRole, NewRegistration, RegisterOutcome, Registration};
+use crate::election::{
+    ElectionError, ElectionStore, LiveRole, NewRegistration, OwnedRegistration, RegisterOutcome, Registration,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -33,6 +35,9 @@ pub enum AgentError {
     },
     #[error("session {0} has no live registration")]
     NotRegistered(String),
+    /// SPEC §6: the session belongs to another Kubernetes identity.
+    #[error("session {0} belongs to another identity")]
+    NotOwned(String),
     #[error("register: the API server gave the new resource uid {0:?}, which is not a uuid")]
     BadUid(String),
 }
@@ -109,8 +114,8 @@ pub struct HeartbeatReply {
     pub term: i64,
 }
 
-impl From<LiveRole> for HeartbeatReply {
-    fn from(r: LiveRole) -> Self {
+impl From<&LiveRole> for HeartbeatReply {
+    fn from(r: &LiveRole) -> Self {
         HeartbeatReply {
             role: if r.is_master { Role::Master } else { Role::Peer },
             is_master: r.is_master,
@@ -136,7 +141,7 @@ impl RecentAnswers {
 
     fn get(&self, key: &(String, String)) -> Option<LiveRole> {
         let answers = self.answers.lock().ok()?;
-        answers.get(key).filter(|(at, _)| at.elapsed() < COALESCING_WINDOW).map(|(_, role)| *role)
+        answers.get(key).filter(|(at, _)| at.elapsed() < COALESCING_WINDOW).map(|(_, role)| role.clone())
     }
 
     fn put(&self, key: (String, String), role: LiveRole) {
@@ -192,21 +197,24 @@ impl AgentService {
         Self { client, store, heartbeats, recent: Arc::default() }
     }
 
-    /// Registers the session for the project: finds its live registration there, or
-    /// creates the resource and runs the election at once, so the answer is in this
-    /// response.
+    /// Registers the session for the project on behalf of `caller` (the Kubernetes
+    /// username), who then owns it: finds its live registration there, or creates the
+    /// resource and runs the election at once, so the answer is in this response. A
+    /// session owned by someone else is refused (`NotOwned`) and nothing changes.
     pub async fn register(
         &self,
         namespace: &str,
         project_id: &str,
         session_id: &str,
         surface: AgentSurface,
+        caller: &str,
     ) -> Result<Registered, AgentError> {
-        self.heartbeats.beat(namespace, session_id);
-        if let Some(existing) = self.store.live_by_session(namespace, session_id).await?
-            && existing.project_id == project_id
-        {
-            return self.registered(existing).await;
+        if let Some(existing) = self.store.live_by_session_owned(namespace, session_id).await? {
+            check_owner(&existing, caller)?;
+            if existing.row.project_id == project_id {
+                self.heartbeats.beat(namespace, session_id);
+                return self.registered(existing.row).await;
+            }
         }
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), namespace);
         let created = api
@@ -221,17 +229,27 @@ impl AgentService {
             session_id: session_id.to_string(),
             surface,
         };
-        match self.store.register(&new).await? {
-            RegisterOutcome::Registered(row) => self.registered(row).await,
-            // A concurrent call registered the same session first: keep that one.
-            RegisterOutcome::DuplicateSession { existing } => {
-                if let Err(error) = api.delete(&new.name, &DeleteParams::default()).await {
-                    warn!(namespace, name = %new.name, %error,
-                          "could not delete the duplicate registration; its status says DuplicateSession");
-                }
-                self.registered(existing).await
-            }
+        let outcome = self.store.register_owned(&new, Some(caller)).await;
+        let existing = match outcome {
+            Ok(RegisterOutcome::Registered(row)) => return self.registered(row).await,
+            // A concurrent call registered the same session first: that one stands, if it
+            // is the caller's.
+            Ok(RegisterOutcome::DuplicateSession { existing }) => Ok(existing),
+            Err(ElectionError::NotOwned(s)) => Err(AgentError::NotOwned(s)),
+            Err(e) => Err(e.into()),
+        };
+        // This resource is not used: its finalizer would only release a row never written.
+        if let Err(error) = api.delete(&new.name, &DeleteParams::default()).await {
+            warn!(namespace, name = %new.name, %error,
+                  "could not delete the unused registration; its status says DuplicateSession");
         }
+        let existing = existing?;
+        match self.store.get_owned(existing.id).await? {
+            Some(owned) => check_owner(&owned, caller)?,
+            None => return Err(ElectionError::NotFound(existing.id).into()),
+        }
+        self.heartbeats.beat(namespace, session_id);
+        self.registered(existing).await
     }
 
     async fn registered(&self, row: Registration) -> Result<Registered, AgentError> {
@@ -246,10 +264,12 @@ impl AgentService {
         })
     }
 
-    /// Wrap: release (promoting a successor) and delete the resource.
-    pub async fn release(&self, id: Uuid) -> Result<RoutingTable, AgentError> {
-        let row = self.registration(id).await?;
-        self.store.release(id, ReleaseReason::Wrapped).await?;
+    /// Wrap on behalf of `caller`: release (promoting a successor) and delete the resource.
+    /// The caller must own the registration (or it has no owner).
+    pub async fn release(&self, row: &OwnedRegistration, caller: &str) -> Result<RoutingTable, AgentError> {
+        check_owner(row, caller)?;
+        let row = &row.row;
+        self.store.release(row.id, ReleaseReason::Wrapped).await?;
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), &row.namespace);
         match api.delete(&row.name, &DeleteParams::default()).await {
             Ok(_) => {}
@@ -260,11 +280,23 @@ impl AgentService {
         Ok(self.routing(&row.namespace, &row.project_id, None).await?)
     }
 
-    pub async fn registration(&self, id: Uuid) -> Result<Registration, AgentError> {
-        Ok(self.store.get(id).await?.ok_or(ElectionError::NotFound(id))?)
+    /// A registration and its owner, by id; `NotFound` if there is none.
+    pub async fn registration(&self, id: Uuid) -> Result<OwnedRegistration, AgentError> {
+        Ok(self.store.get_owned(id).await?.ok_or(ElectionError::NotFound(id))?)
     }
 
-    pub async fn heartbeat(&self, namespace: &str, session_id: &str) -> Result<HeartbeatReply, AgentError> {
+    /// The session's live registration and its owner; `NotRegistered` if there is none.
+    pub async fn live_session(&self, namespace: &str, session_id: &str) -> Result<OwnedRegistration, AgentError> {
+        self.store
+            .live_by_session_owned(namespace, session_id)
+            .await?
+            .ok_or_else(|| AgentError::NotRegistered(session_id.to_string()))
+    }
+
+    /// The heartbeat of `caller`'s session (SPEC §4 rule 8): its role, and a coalesced
+    /// refresh of its registration. Another identity's session is refused and not
+    /// refreshed.
+    pub async fn heartbeat(&self, namespace: &str, session_id: &str, caller: &str) -> Result<LiveRole, AgentError> {
         let key = (namespace.to_string(), session_id.to_string());
         let role = match self.recent.get(&key) {
             Some(role) => role,
@@ -274,13 +306,16 @@ impl AgentService {
                     .live_role(namespace, session_id)
                     .await?
                     .ok_or_else(|| AgentError::NotRegistered(session_id.to_string()))?;
-                self.recent.put(key, role);
+                self.recent.put(key, role.clone());
                 role
             }
         };
+        if role.owner.as_deref().is_some_and(|owner| owner != caller) {
+            return Err(AgentError::NotOwned(session_id.to_string()));
+        }
         // The write is coalesced: this call costs Postgres at most one indexed read.
         self.heartbeats.beat(namespace, session_id);
-        Ok(role.into())
+        Ok(role)
     }
 
     pub async fn routing(
@@ -291,9 +326,6 @@ impl AgentService {
     ) -> Result<RoutingTable, ElectionError> {
         let view = self.store.project(namespace, project_id).await?;
         let stale = self.store.recently_stale(namespace, project_id, Utc::now() - STALE_WINDOW).await?;
-        if let Some(s) = session_id {
-            self.heartbeats.beat(namespace, s);
-        }
         Ok(RoutingTable {
             project_id: project_id.to_string(),
             namespace: namespace.to_string(),
@@ -316,6 +348,11 @@ impl AgentService {
         let view = self.store.project(namespace, project_id).await?;
         Ok(view.master.as_ref().filter(|m| m.master_term == Some(term)).map(RouteEntry::from))
     }
+}
+
+/// SPEC §6: only the owner acts on an owned session.
+fn check_owner(row: &OwnedRegistration, caller: &str) -> Result<(), AgentError> {
+    if row.owned_by(caller) { Ok(()) } else { Err(AgentError::NotOwned(row.row.session_id.clone())) }
 }
 
 /// The registration id of a resource: its metadata.uid, which the API server always sets.

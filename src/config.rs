@@ -145,6 +145,15 @@ pub struct RunArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "PRISM_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
+    /// Host names (or host:port) under which clients reach /mcp: a request's Host header,
+    /// and the Origin of a browser's, must be one of them (`*` admits any). The chart adds
+    /// its Service's names.
+    #[arg(long, env = "PRISM_MCP_ALLOWED_HOSTS", value_delimiter = ',', default_value = "localhost,127.0.0.1,::1")]
+    pub mcp_allowed_hosts: Vec<String>,
+    /// Key (at least 32 characters) that signs MCP session ids; every replica needs the
+    /// same. Default: a random key kept in Postgres, shared by every replica.
+    #[arg(long, env = "PRISM_MCP_SESSION_KEY", hide_env_values = true)]
+    pub mcp_session_key: Option<String>,
     /// Run controllers and the sweep only on the holder of a coordination.k8s.io Lease.
     #[arg(long, env = "PRISM_LEADER_ELECTION", default_value = "true", value_parser = parse_switch, action = clap::ArgAction::Set)]
     pub leader_election: bool,
@@ -202,7 +211,27 @@ impl RunArgs {
         if !prefix_ok {
             return Err(ConfigError::Malformed("PRISM_REDIS_PREFIX", "use 1-64 characters of [A-Za-z0-9._-]".into()));
         }
+        self.mcp_allowed_hosts()?;
+        self.mcp_session_key()?;
         Ok(())
+    }
+
+    pub fn mcp_allowed_hosts(&self) -> Result<crate::api::mcp::AllowedHosts, ConfigError> {
+        crate::api::mcp::AllowedHosts::parse(&self.mcp_allowed_hosts)
+            .map_err(|e| ConfigError::Malformed("PRISM_MCP_ALLOWED_HOSTS", e))
+    }
+
+    /// The configured session key, if one is configured.
+    pub fn mcp_session_key(&self) -> Result<Option<crate::api::mcp::SessionKey>, ConfigError> {
+        match self.mcp_session_key.as_deref() {
+            None => Ok(None),
+            Some(value) => crate::api::mcp::SessionKey::from_config(value).map(Some).ok_or_else(|| {
+                ConfigError::Malformed(
+                    "PRISM_MCP_SESSION_KEY",
+                    format!("use at least {} characters", crate::api::mcp::session::MIN_KEY_BYTES),
+                )
+            }),
+        }
     }
 }
 
@@ -241,6 +270,8 @@ mod tests {
         assert_eq!(a.run_lease_seconds, 30);
         assert!(a.leader_election);
         assert!(a.watch_namespace.is_none());
+        assert_eq!(a.mcp_allowed_hosts, ["localhost", "127.0.0.1", "::1"]);
+        assert!(a.mcp_session_key.is_none());
         assert_eq!(a.validate(), Ok(()));
     }
 
@@ -269,6 +300,20 @@ mod tests {
         assert!(run_args(&["--listen", "nonsense"]).is_err());
         assert!(run_args(&["--leader-election", "maybe"]).is_err());
         assert!(!run_args(&["--leader-election", "off"]).unwrap().leader_election);
+    }
+
+    #[test]
+    fn mcp_settings_are_checked_at_start() {
+        let mut a = run_args(&["--database-url", "postgres://a@b/c", "--redis-url", "redis://x"]).unwrap();
+        a.mcp_allowed_hosts = vec!["prism.example.com".into(), "svc.ns.svc:8080".into()];
+        assert_eq!(a.validate(), Ok(()));
+        a.mcp_allowed_hosts = vec!["http://x/".into()];
+        assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_MCP_ALLOWED_HOSTS is malformed"));
+        a.mcp_allowed_hosts = vec!["*".into()];
+        a.mcp_session_key = Some("too short".into());
+        assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_MCP_SESSION_KEY is malformed"));
+        let parsed = run_args(&["--mcp-allowed-hosts", "a.example,b.example:80"]).unwrap();
+        assert_eq!(parsed.mcp_allowed_hosts, ["a.example", "b.example:80"]);
     }
 
     #[test]

@@ -12,12 +12,13 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::error::{ApiError, ApiJson};
-use crate::agent_sessions::{HeartbeatReply, Registered, RoutingTable};
+use crate::agent_sessions::{AgentError, HeartbeatReply, Registered, RoutingTable};
 use crate::crd::AgentSurface;
+use crate::election::ElectionError;
 
-const RESOURCE: &str = "controllerregistrations";
+pub const RESOURCE: &str = "controllerregistrations";
 
-fn check_namespace(ns: &str) -> Result<(), ApiError> {
+pub fn check_namespace(ns: &str) -> Result<(), ApiError> {
     let ok = !ns.is_empty()
         && ns.len() <= 63
         && ns.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
@@ -26,7 +27,7 @@ fn check_namespace(ns: &str) -> Result<(), ApiError> {
     if ok { Ok(()) } else { Err(ApiError::invalid(format!("namespace {ns:?} is not a valid namespace name"))) }
 }
 
-fn check_len(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
+pub fn check_len(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
     if v.is_empty() || v.chars().count() > max {
         Err(ApiError::invalid(format!("{field} must be 1 to {max} characters")))
     } else {
@@ -53,22 +54,66 @@ pub async fn register(
     check_len("session_id", &body.session_id, 256)?;
     let caller = state.auth.authenticate(&headers).await?;
     state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
-    let done = state.agents.register(&body.namespace, &body.project_id, &body.session_id, body.agent_surface).await?;
+    let done = state
+        .agents
+        .register(&body.namespace, &body.project_id, &body.session_id, body.agent_surface, &caller.username)
+        .await?;
     Ok((StatusCode::OK, Json(done)))
 }
 
+#[derive(Deserialize)]
+pub struct ReleaseQuery {
+    namespace: Option<String>,
+}
+
+/// Wrap by registration id. Authorization comes before any existence check (SPEC §6):
+/// with `?namespace=` the caller is authorized there first and the id is looked up in
+/// that namespace only (404 only for callers with rights there). Without it, an unknown
+/// id and an id the caller may not delete get the same 403, so no caller learns which
+/// ids exist where.
 pub async fn release(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Path(id): Path<String>,
+    Query(q): Query<ReleaseQuery>,
 ) -> Result<Json<RoutingTable>, ApiError> {
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::invalid("id must be a registration id (uuid)"))?;
+    if let Some(ns) = &q.namespace {
+        check_namespace(ns)?;
+    }
     let caller = state.auth.authenticate(&headers).await?;
-    // Authorize against the registration's own namespace; an unknown id is 404 only for
-    // callers who could see it, so ids do not leak across namespaces.
-    let row = state.agents.registration(id).await.map_err(ApiError::from)?;
-    state.auth.authorize(&caller, "delete", RESOURCE, &row.namespace).await?;
-    Ok(Json(state.agents.release(id).await?))
+    let row = match &q.namespace {
+        Some(ns) => {
+            state.auth.authorize(&caller, "delete", RESOURCE, ns).await?;
+            match state.agents.registration(id).await {
+                Ok(row) if row.row.namespace == *ns => row,
+                Ok(_) | Err(AgentError::Election(ElectionError::NotFound(_))) => {
+                    return Err(ApiError::not_found("not_found", format!("registration {id} not found in {ns}")));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        None => {
+            let refused = || {
+                ApiError::forbidden(format!(
+                    "{} may not delete registration {id}, or it does not exist (pass ?namespace= to tell which)",
+                    caller.username
+                ))
+            };
+            match state.agents.registration(id).await {
+                Ok(row) => {
+                    match state.auth.authorize(&caller, "delete", RESOURCE, &row.row.namespace).await {
+                        Err(e) if e.code == "forbidden" => return Err(refused()),
+                        other => other?,
+                    }
+                    row
+                }
+                Err(AgentError::Election(ElectionError::NotFound(_))) => return Err(refused()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    };
+    Ok(Json(state.agents.release(&row, &caller.username).await?))
 }
 
 #[derive(Deserialize)]
@@ -88,7 +133,8 @@ pub async fn heartbeat(
     let caller = state.auth.authenticate(&headers).await?;
     state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
     state.metrics.heartbeats.inc();
-    Ok(Json(state.agents.heartbeat(&body.namespace, &body.session_id).await?))
+    let role = state.agents.heartbeat(&body.namespace, &body.session_id, &caller.username).await?;
+    Ok(Json(HeartbeatReply::from(&role)))
 }
 
 #[derive(Deserialize)]
@@ -108,6 +154,14 @@ pub async fn status(
     check_len("project_id", &project_id, 128)?;
     let caller = state.auth.authenticate(&headers).await?;
     state.auth.authorize(&caller, "list", RESOURCE, &namespace).await?;
+    if let Some(session_id) = &q.session_id {
+        // An agent call carrying a session_id is its heartbeat (SPEC §4 rule 8) when the
+        // session is the caller's; reading the table is refused to nobody.
+        match state.agents.heartbeat(&namespace, session_id, &caller.username).await {
+            Ok(_) | Err(AgentError::NotRegistered(_) | AgentError::NotOwned(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
     Ok(Json(state.agents.routing(&namespace, &project_id, q.session_id.as_deref()).await?))
 }
 

@@ -33,6 +33,14 @@ impl ApiError {
     pub fn forbidden(message: impl Into<String>) -> Self {
         Self::new(StatusCode::FORBIDDEN, "forbidden", message)
     }
+    /// SPEC §6: the session belongs to another Kubernetes identity.
+    pub fn not_owned(session_id: &str) -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "session_not_owned",
+            format!("session {session_id} was registered by another identity; only its owner may act on it"),
+        )
+    }
     pub fn not_found(code: &'static str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::NOT_FOUND, code, message)
     }
@@ -73,6 +81,7 @@ impl From<ElectionError> for ApiError {
     fn from(e: ElectionError) -> Self {
         match e {
             ElectionError::NotFound(id) => ApiError::not_found("not_found", format!("registration {id} not found")),
+            ElectionError::NotOwned(s) => ApiError::not_owned(&s),
             ElectionError::Contended(_) => ApiError::unavailable("contended", e.to_string()),
             ElectionError::Database(e) => e.into(),
         }
@@ -95,6 +104,7 @@ impl From<AgentError> for ApiError {
             AgentError::NotRegistered(s) => {
                 ApiError::not_found("not_registered", format!("session {s} has no live registration"))
             }
+            AgentError::NotOwned(s) => ApiError::not_owned(&s),
             AgentError::BadUid(_) => ApiError::internal("register", e),
         }
     }

@@ -7,7 +7,7 @@ use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use serde_json::json;
 use sqlx::PgPool;
 
@@ -19,6 +19,7 @@ use crate::telemetry::Metrics;
 pub mod agents;
 pub mod auth;
 pub mod error;
+pub mod mcp;
 pub mod runs;
 
 pub use error::{ApiError, ApiJson};
@@ -33,10 +34,19 @@ pub struct AppState {
     pub agents: AgentService,
     pub registry: RunRegistry,
     pub metrics: Arc<Metrics>,
+    pub mcp: mcp::McpConfig,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
+    let mcp = Arc::new(mcp::Endpoint::new(state.clone()));
     Router::new()
+        .route(
+            "/mcp",
+            any(move |request: axum::extract::Request| {
+                let mcp = mcp.clone();
+                async move { mcp.handle(request).await }
+            }),
+        )
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

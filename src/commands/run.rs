@@ -40,6 +40,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     start_leader_work(&args, &kube, &election, &registry, &metrics, stop_rx.clone());
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
+    let mcp = mcp_config(&args, &pool).await?;
     let state = Arc::new(AppState {
         db: pool,
         auth: api::auth::Authorizer::new(kube.clone()),
@@ -47,6 +48,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         kube,
         registry,
         metrics,
+        mcp,
     });
     tokio::spawn(async move {
         shutdown_signal().await;
@@ -67,6 +69,17 @@ async fn open_database(args: &RunArgs) -> anyhow::Result<sqlx::PgPool> {
     db::migrate(&pool).await?;
     info!(database = %redact_url(url), "migrations applied");
     Ok(pool)
+}
+
+/// The MCP allow-list, and the key that signs MCP session ids: the configured one, else
+/// the one every replica of this database shares.
+async fn mcp_config(args: &RunArgs, pool: &sqlx::PgPool) -> anyhow::Result<api::mcp::McpConfig> {
+    let allowed_hosts = args.mcp_allowed_hosts()?;
+    let session_key = match args.mcp_session_key()? {
+        Some(key) => key,
+        None => api::mcp::SessionKey::shared(pool).await?,
+    };
+    Ok(api::mcp::McpConfig { allowed_hosts, session_key })
 }
 
 /// The Redis side of the registry. An unreachable Redis is no reason not to start: the

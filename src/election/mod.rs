@@ -6,7 +6,9 @@ pub mod rules;
 pub mod store;
 
 pub use rules::{Candidate, Cause, Decision, Event, ProjectState, Transition, decide};
-pub use store::{ElectionStore, LiveRole, NewRegistration, ProjectView, RegisterOutcome, Registration};
+pub use store::{
+    ElectionStore, LiveRole, NewRegistration, OwnedRegistration, ProjectView, RegisterOutcome, Registration,
+};
 
 use crate::db::QueryError;
 
@@ -17,6 +19,9 @@ pub enum ElectionError {
     Database(#[from] QueryError),
     #[error("registration {0} not found")]
     NotFound(uuid::Uuid),
+    /// SPEC §6: the session belongs to another Kubernetes identity.
+    #[error("session {0} belongs to another identity")]
+    NotOwned(String),
     #[error("{0}: the election did not settle after {attempts} attempts (concurrent changes)", attempts = store::MAX_ATTEMPTS)]
     Contended(&'static str),
 }

@@ -86,12 +86,32 @@ pub enum RegisterOutcome {
 }
 
 /// What a heartbeat answers about a session's live registration.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
 pub struct LiveRole {
+    pub project_id: String,
     pub is_master: bool,
     pub preempted: bool,
     /// The project's current term (what a client fences against).
     pub project_term: i64,
+    /// Who registered the session through the API (None: created with kubectl).
+    pub owner: Option<String>,
+}
+
+/// A registration with its owner (SPEC §6 session ownership): the Kubernetes identity
+/// that registered it through the API, None for one created with kubectl.
+#[derive(Clone, Debug, PartialEq, sqlx::FromRow)]
+pub struct OwnedRegistration {
+    #[sqlx(flatten)]
+    pub row: Registration,
+    pub owner: Option<String>,
+}
+
+impl OwnedRegistration {
+    /// May `caller` act on this registration? Unowned ones are anybody's (authorization
+    /// has already said the caller may act in the namespace at all).
+    pub fn owned_by(&self, caller: &str) -> bool {
+        self.owner.as_deref().is_none_or(|owner| owner == caller)
+    }
 }
 
 /// A project's routing view.
@@ -138,6 +158,33 @@ impl ElectionStore {
             .step("read registration by id")?)
     }
 
+    /// A registration and its owner, by id.
+    pub async fn get_owned(&self, id: Uuid) -> Result<Option<OwnedRegistration>, ElectionError> {
+        let sql = format!("SELECT {COLUMNS}, owner FROM controller_registrations WHERE id = $1");
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .step("read registration and owner by id")?)
+    }
+
+    /// The live registration of a session and its owner, if any.
+    pub async fn live_by_session_owned(
+        &self,
+        namespace: &str,
+        session_id: &str,
+    ) -> Result<Option<OwnedRegistration>, ElectionError> {
+        let sql = format!(
+            "SELECT {COLUMNS}, owner FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND released_at IS NULL"
+        );
+        Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(namespace)
+            .bind(session_id)
+            .fetch_optional(&self.pool)
+            .await
+            .step("read the session's live registration and owner")?)
+    }
+
     /// The live registration of a session, if any.
     pub async fn live_by_session(
         &self,
@@ -158,7 +205,7 @@ impl ElectionStore {
     /// What a heartbeat answers, in one indexed read.
     pub async fn live_role(&self, namespace: &str, session_id: &str) -> Result<Option<LiveRole>, ElectionError> {
         Ok(sqlx::query_as(
-            "SELECT r.is_master, r.preempted, p.term AS project_term FROM controller_registrations r
+            "SELECT r.project_id, r.is_master, r.preempted, p.term AS project_term, r.owner FROM controller_registrations r
              JOIN controller_projects p ON p.namespace = r.namespace AND p.project_id = r.project_id
              WHERE r.namespace = $1 AND r.session_id = $2 AND r.released_at IS NULL",
         )
@@ -230,24 +277,47 @@ impl ElectionStore {
     /// Registers (SPEC §4 rules 1-4 and 6) and, when the session is live on another
     /// project, first leaves that one (rule 7). Idempotent: a known id returns its row as
     /// it stands. Callers that usually find the row already (a periodic reconcile) should
-    /// `get` it first, which takes no lock.
+    /// `get` it first, which takes no lock. The registration has no owner (a resource
+    /// created with kubectl); see `register_owned`.
     pub async fn register(&self, new: &NewRegistration) -> Result<RegisterOutcome, ElectionError> {
+        self.register_owned(new, None).await
+    }
+
+    /// `register` on behalf of `owner`, the Kubernetes identity calling the API, which
+    /// then owns the session (SPEC §6). A session live on another project and owned by
+    /// someone else is not moved: `NotOwned` for an API caller, `DuplicateSession` (this
+    /// resource is not used) for a resource created with kubectl.
+    pub async fn register_owned(
+        &self,
+        new: &NewRegistration,
+        owner: Option<&str>,
+    ) -> Result<RegisterOutcome, ElectionError> {
         for attempt in 1..=MAX_ATTEMPTS {
-            match self.elect_newcomer(new).await {
+            match self.elect_newcomer(new, owner).await {
                 Ok(Attempt::Done(row)) => return Ok(RegisterOutcome::Registered(*row)),
                 // Inserted before (or by a concurrent caller: API and reconciler race).
                 Ok(Attempt::IdKnown) => {
+                    if let Some(owner) = owner {
+                        self.claim(new.id, owner).await?;
+                    }
                     if let Some(existing) = self.get(new.id).await? {
                         return Ok(RegisterOutcome::Registered(existing));
                     }
                 }
-                Ok(Attempt::SessionLive) => match self.live_by_session(&new.namespace, &new.session_id).await? {
+                Ok(Attempt::SessionLive) => match self.live_by_session_owned(&new.namespace, &new.session_id).await? {
                     // Rule 6 under another resource: that one stands.
-                    Some(existing) if existing.project_id == new.project_id => {
-                        return Ok(RegisterOutcome::DuplicateSession { existing });
+                    Some(existing) if existing.row.project_id == new.project_id => {
+                        return Ok(RegisterOutcome::DuplicateSession { existing: existing.row });
+                    }
+                    // Rule 7 is the owner's to trigger, nobody else's.
+                    Some(other) if other.owner.is_some() && other.owner.as_deref() != owner => {
+                        return match owner {
+                            Some(_) => Err(ElectionError::NotOwned(new.session_id.clone())),
+                            None => Ok(RegisterOutcome::DuplicateSession { existing: other.row }),
+                        };
                     }
                     // Rule 7: the session is live on another project; leave it, then elect.
-                    Some(other) => match self.release_once(other.id, ReleaseReason::ContextSwitch).await {
+                    Some(other) => match self.release_once(other.row.id, ReleaseReason::ContextSwitch).await {
                         Ok(_) => {}
                         Err(e) if e.is_race() => continue,
                         Err(e) => return Err(e),
@@ -262,12 +332,24 @@ impl ElectionStore {
         Err(ElectionError::Contended("register"))
     }
 
+    /// The API created this registration's resource, so its caller owns it, even when the
+    /// reconciler (which knows no caller) inserted the row first.
+    async fn claim(&self, id: Uuid, owner: &str) -> Result<(), ElectionError> {
+        sqlx::query("UPDATE controller_registrations SET owner = $2 WHERE id = $1 AND owner IS NULL")
+            .bind(id)
+            .bind(owner)
+            .execute(&self.pool)
+            .await
+            .step("register: record the owner of a row the reconciler inserted")?;
+        Ok(())
+    }
+
     /// The election on the newcomer's project: lock, plan, insert, write, commit.
-    async fn elect_newcomer(&self, new: &NewRegistration) -> Result<Attempt, ElectionError> {
+    async fn elect_newcomer(&self, new: &NewRegistration, owner: Option<&str>) -> Result<Attempt, ElectionError> {
         let mut tx = self.pool.begin().await.step("register: begin")?;
         lock_project(&mut tx, &new.namespace, &new.project_id).await?;
         let plan = plan_registration(&mut tx, new).await?;
-        match insert_registration(&mut tx, new, plan.now).await {
+        match insert_registration(&mut tx, new, owner, plan.now).await {
             Ok(()) => {}
             Err(e) if e.constraint() == Some(ID_INDEX) => return Ok(Attempt::IdKnown),
             Err(e) if e.constraint() == Some(SESSION_INDEX) => return Ok(Attempt::SessionLive),
@@ -629,12 +711,13 @@ async fn plan_registration(
 async fn insert_registration(
     tx: &mut Transaction<'_, Postgres>,
     new: &NewRegistration,
+    owner: Option<&str>,
     now: DateTime<Utc>,
 ) -> Result<(), QueryError> {
     sqlx::query(
         "INSERT INTO controller_registrations
-             (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+             (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat, owner)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)",
     )
     .bind(new.id)
     .bind(&new.namespace)
@@ -643,6 +726,7 @@ async fn insert_registration(
     .bind(&new.session_id)
     .bind(new.surface)
     .bind(now)
+    .bind(owner)
     .execute(&mut **tx)
     .await
     .step("register: insert registration")?;

@@ -1,0 +1,232 @@
+//! `POST /mcp`: the agent verbs as MCP tools (SPEC §9), Streamable HTTP, on the API
+//! listener of every replica.
+//!
+//! The protocol is the official Rust SDK's (rmcp): its Streamable HTTP service answers
+//! both generations, the session-based revisions (`initialize`) and the stateless
+//! 2026-07-28 revision (`server/discover`, per-request `_meta`, the standard headers). It
+//! runs in its stateless mode: rmcp's own session manager keeps sessions in one
+//! process's memory, which a second replica behind the same Service would not know. This
+//! module is the gate in front of it and gives the session-based generation its sessions
+//! back without memory: on `initialize` it issues an `Mcp-Session-Id` that carries the
+//! negotiated version and `clientInfo.name`, signed (`session`), and on every later
+//! request any replica verifies it and hands the facts to the tools.
+//!
+//! The gate, in order: `Host`/`Origin` against the allow-list (before anything else, so
+//! a DNS-rebinding page learns nothing), the bearer token (TokenReview; 401 with
+//! `WWW-Authenticate`), the body (a malformed JSON-RPC message is a JSON-RPC error), the
+//! session id. Authorization is per tool call (`tools`).
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::Request;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use rmcp::model::{ClientJsonRpcMessage, ClientRequest, ErrorData, JsonRpcError, RequestId};
+use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
+use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
+use serde_json::Value;
+
+use super::auth::Caller;
+use super::{ApiError, AppState, MAX_BODY_BYTES};
+
+pub mod hosts;
+pub mod session;
+pub mod tools;
+
+pub use hosts::AllowedHosts;
+pub use session::{SessionFacts, SessionKey};
+
+/// The session id header of the session-based revisions.
+const SESSION_HEADER: &str = "mcp-session-id";
+/// What a 401 tells an MCP client about the authentication it needs.
+const WWW_AUTHENTICATE: &str = "Bearer realm=\"prism\"";
+
+/// The MCP settings of a replica.
+pub struct McpConfig {
+    pub allowed_hosts: AllowedHosts,
+    pub session_key: SessionKey,
+}
+
+type Service = StreamableHttpService<tools::PrismTools, NeverSessionManager>;
+
+/// The `/mcp` endpoint: the gate and the rmcp service behind it.
+pub struct Endpoint {
+    state: Arc<AppState>,
+    service: Service,
+}
+
+impl Endpoint {
+    pub fn new(state: Arc<AppState>) -> Self {
+        let tools_state = state.clone();
+        let config = StreamableHttpServerConfig::default()
+            // Any replica answers any request: nothing lives in one process (see above).
+            .with_legacy_session_mode(false)
+            // One JSON answer per call, no SSE stream to keep open.
+            .with_json_response(true)
+            // The gate checks Host and Origin against our own allow-list, before the
+            // token; the SDK's loopback-only default would refuse the Service's names.
+            .disable_allowed_hosts()
+            .disable_allowed_origins()
+            .with_sse_keep_alive(None)
+            .with_max_request_body_bytes(MAX_BODY_BYTES);
+        let service = StreamableHttpService::new(
+            move || Ok(tools::PrismTools::new(tools_state.clone())),
+            Arc::new(NeverSessionManager::default()),
+            config,
+        );
+        Endpoint { state, service }
+    }
+
+    pub async fn handle(&self, request: Request) -> Response {
+        match self.gate(request).await {
+            Ok(response) | Err(response) => response,
+        }
+    }
+
+    async fn gate(&self, request: Request) -> Result<Response, Response> {
+        let (mut parts, body) = request.into_parts();
+        self.state.mcp.allowed_hosts.check(&parts.uri, &parts.headers).map_err(IntoResponse::into_response)?;
+        let caller = self.state.auth.authenticate(&parts.headers).await.map_err(unauthorized)?;
+        let facts = self.session(&parts.headers, &caller)?;
+        if parts.method != Method::POST {
+            // GET (a standalone SSE stream) and DELETE (end a session): rmcp's stateless
+            // mode answers 405, which the MCP transport allows for both.
+            let response = self.service.handle(axum::http::Request::from_parts(parts, Body::empty())).await;
+            return Ok(response.map(Body::new));
+        }
+        let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES).await.map_err(|_| {
+            rpc_error(StatusCode::PAYLOAD_TOO_LARGE, None, ErrorData::invalid_request("request body too large", None))
+        })?;
+        let initialize = parse(&bytes)?;
+        parts.extensions.insert(caller.clone());
+        if let Some(facts) = facts {
+            parts.extensions.insert(facts);
+        }
+        let response = self.service.handle(axum::http::Request::from_parts(parts, Body::from(bytes))).await;
+        let response = response.map(Body::new);
+        match initialize {
+            Some(client_name) => Ok(self.with_session(response, &client_name, &caller).await),
+            None => Ok(response),
+        }
+    }
+
+    /// The facts of the request's session, if it names one. An id that does not verify,
+    /// or that another identity initialized, is an unknown session: 404, after which the
+    /// MCP client initializes again.
+    fn session(&self, headers: &HeaderMap, caller: &Caller) -> Result<Option<SessionFacts>, Response> {
+        let Some(value) = headers.get(SESSION_HEADER) else {
+            return Ok(None);
+        };
+        let facts = value.to_str().ok().and_then(|id| self.state.mcp.session_key.verify(id));
+        match facts {
+            Some(facts) if facts.belongs_to(&caller.username) => Ok(Some(facts)),
+            _ => Err(rpc_error(
+                StatusCode::NOT_FOUND,
+                None,
+                ErrorData::invalid_request("unknown or invalid Mcp-Session-Id: initialize a new session", None),
+            )),
+        }
+    }
+
+    /// Adds the signed session id to a successful `initialize` answer.
+    async fn with_session(&self, response: Response, client_name: &str, caller: &Caller) -> Response {
+        if response.status() != StatusCode::OK {
+            return response;
+        }
+        let (mut parts, body) = response.into_parts();
+        let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
+            return (StatusCode::BAD_GATEWAY, "initialize: the answer could not be read").into_response();
+        };
+        let negotiated = negotiated_version(&bytes);
+        if let Some(version) = negotiated {
+            let id = self.state.mcp.session_key.sign(&SessionFacts::new(&version, client_name, &caller.username));
+            if let Ok(value) = HeaderValue::from_str(&id) {
+                parts.headers.insert(SESSION_HEADER, value);
+            }
+        }
+        Response::from_parts(parts, Body::from(bytes))
+    }
+}
+
+/// 401 answers carry the challenge MCP clients look for.
+fn unauthorized(e: ApiError) -> Response {
+    let challenge = e.status == StatusCode::UNAUTHORIZED;
+    let mut response = e.into_response();
+    if challenge {
+        response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(WWW_AUTHENTICATE));
+    }
+    response
+}
+
+fn rpc_error(status: StatusCode, id: Option<RequestId>, error: ErrorData) -> Response {
+    let body = serde_json::to_vec(&JsonRpcError::new(id, error)).unwrap_or_default();
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// Checks that the body is one JSON-RPC message (a JSON-RPC error otherwise, never a
+/// 5xx) and, for `initialize`, returns the client's name (empty when it sent none).
+fn parse(bytes: &Bytes) -> Result<Option<String>, Response> {
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
+        rpc_error(StatusCode::BAD_REQUEST, None, ErrorData::parse_error(format!("not JSON: {e}"), None))
+    })?;
+    let id = value.get("id").cloned().and_then(|id| serde_json::from_value::<RequestId>(id).ok());
+    let message: ClientJsonRpcMessage = serde_json::from_value(value).map_err(|e| {
+        rpc_error(
+            StatusCode::BAD_REQUEST,
+            id,
+            ErrorData::invalid_request(format!("not a JSON-RPC 2.0 message this server knows: {e}"), None),
+        )
+    })?;
+    Ok(match message {
+        ClientJsonRpcMessage::Request(request) => match request.request {
+            ClientRequest::InitializeRequest(init) => Some(init.params.client_info.name),
+            _ => None,
+        },
+        _ => None,
+    })
+}
+
+/// `result.protocolVersion` of an `initialize` answer.
+fn negotiated_version(body: &[u8]) -> Option<String> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    value.get("result")?.get("protocolVersion")?.as_str().map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn code_of(response: Response) -> StatusCode {
+        response.status()
+    }
+
+    #[test]
+    fn malformed_messages_are_json_rpc_errors_not_5xx() {
+        for body in [&b"{not json"[..], b"[]", b"{\"jsonrpc\":\"2.0\"}", b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":5}"]
+        {
+            let err = parse(&Bytes::from_static(body)).expect_err("malformed");
+            assert_eq!(code_of(err), StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn initialize_names_its_client() {
+        let body = serde_json::json!({
+            "jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "claude-code", "version": "2.1"}}
+        });
+        let parsed = parse(&Bytes::from(body.to_string())).expect("valid");
+        assert_eq!(parsed.as_deref(), Some("claude-code"));
+        let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
+        assert_eq!(parse(&Bytes::from(call.to_string())).expect("valid"), None);
+    }
+
+    #[test]
+    fn the_negotiated_version_is_read_from_the_answer() {
+        let body = br#"{"jsonrpc":"2.0","id":1,"result":{"protocolVersion":"2025-06-18","capabilities":{}}}"#;
+        assert_eq!(negotiated_version(body).as_deref(), Some("2025-06-18"));
+        assert_eq!(negotiated_version(b"{}"), None);
+    }
+}

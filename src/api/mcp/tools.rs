@@ -1,0 +1,600 @@
+//! The five tools of SPEC §9 over the agent sessions service: parse, resolve the
+//! namespace, authorize (SubjectAccessReview, as the HTTP API does), heartbeat the
+//! session a call names, call, shape the answer. Refusals and bad input are tool results
+//! with `isError: true` and `{"error": {"code", "message"}}` (the HTTP API's codes); only
+//! an unknown tool is a JSON-RPC error.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation, InitializeResult,
+    JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::{ErrorData, RoleServer, ServerHandler};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value, json};
+use uuid::Uuid;
+
+use super::SessionFacts;
+use crate::agent_sessions::{AgentError, HeartbeatReply, RouteEntry};
+use crate::api::agents::{RESOURCE, check_len, check_namespace};
+use crate::api::auth::Caller;
+use crate::api::{ApiError, AppState};
+use crate::crd::{AgentSurface, Role};
+use crate::election::LiveRole;
+
+/// The header that names a call's namespace when its arguments do not.
+pub const NAMESPACE_HEADER: &str = "x-prism-namespace";
+
+const INSTRUCTIONS: &str = "prism coordinates AI agent sessions working on the same project: one session is \
+master, the others are peers. Call prism_start once per task with the project_id, keep the session_id it \
+returns and pass it to every later prism call (each call is also your heartbeat). If a result says you were \
+preempted, another session is master now: stop writing as master. Call prism_wrap with your session_id when \
+the task is done.";
+
+const KEEP_SESSION: &str = "Pass the session_id returned by prism_start (each call with it is also the \
+session's heartbeat).";
+
+/// The tools, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ToolName {
+    Start,
+    Wrap,
+    Status,
+    Heartbeat,
+    Fence,
+}
+
+impl ToolName {
+    const ALL: [ToolName; 5] =
+        [ToolName::Start, ToolName::Wrap, ToolName::Status, ToolName::Heartbeat, ToolName::Fence];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            ToolName::Start => "prism_start",
+            ToolName::Wrap => "prism_wrap",
+            ToolName::Status => "prism_status",
+            ToolName::Heartbeat => "prism_heartbeat",
+            ToolName::Fence => "prism_fence",
+        }
+    }
+
+    fn parse(name: &str) -> Option<ToolName> {
+        Self::ALL.into_iter().find(|t| t.as_str() == name)
+    }
+
+    /// The SubjectAccessReview verb on controllerregistrations (SPEC §9).
+    fn verb(self) -> &'static str {
+        match self {
+            ToolName::Start | ToolName::Heartbeat => "create",
+            ToolName::Wrap => "delete",
+            ToolName::Status => "list",
+            ToolName::Fence => "get",
+        }
+    }
+
+    fn definition(self) -> Tool {
+        let namespace = json!({"type": "string", "description": "Kubernetes namespace of the project (default: the X-Prism-Namespace header, else your ServiceAccount's namespace)", "maxLength": 63});
+        let session = |required: bool| {
+            json!({"type": "string", "minLength": 1, "maxLength": 256, "description":
+                if required { KEEP_SESSION } else { "Your session_id from prism_start, if you have one. Omit it on the first call: a new one is minted and returned." }})
+        };
+        let project = json!({"type": "string", "minLength": 1, "maxLength": 128, "description": "The project (the same id every session of the project uses)"});
+        let (description, properties, required): (&str, Value, &[&str]) = match self {
+            ToolName::Start => (
+                "Join a project for this task. Call it ONCE per task, at the start; keep the returned session_id and pass it to every later prism call. Returns whether you are master (the one session that may act as the project's controller) or a peer, the election term, and the routing table. Starting on another project leaves the previous one.",
+                json!({
+                    "project_id": project,
+                    "session_id": session(false),
+                    "agent_surface": {"type": "string", "enum": AgentSurface::ALL.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+                                      "description": "Which agent you run in (default: from your MCP client's name). Desktop sessions preempt the others."},
+                    "namespace": namespace,
+                }),
+                &["project_id"],
+            ),
+            ToolName::Wrap => (
+                "The task is done: leave the project (if you were master, the best peer becomes master at once). Pass your session_id.",
+                json!({"session_id": session(true), "namespace": namespace}),
+                &["session_id"],
+            ),
+            ToolName::Status => (
+                "The project's routing table: who is master, the peers, recently stale sessions. With your session_id, also your own role (and the call is your heartbeat).",
+                json!({"project_id": project, "session_id": session(false), "namespace": namespace}),
+                &["project_id"],
+            ),
+            ToolName::Heartbeat => (
+                "Keep your session alive and learn your role (master or peer), the project's term, and whether you were preempted. Any prism call with your session_id does this too.",
+                json!({"session_id": session(true), "namespace": namespace}),
+                &["session_id"],
+            ),
+            ToolName::Fence => (
+                "Check that a term is the project's current master term before acting as master (a demoted master's term is stale). Fails with stale_term otherwise.",
+                json!({"project_id": project, "term": {"type": "integer", "minimum": 0, "description": "The term prism_start or prism_heartbeat gave you"},
+                       "session_id": session(false), "namespace": namespace}),
+                &["project_id", "term"],
+            ),
+        };
+        let schema =
+            json!({"type": "object", "properties": properties, "required": required, "additionalProperties": false});
+        let schema: JsonObject = match schema {
+            Value::Object(map) => map,
+            _ => Map::new(),
+        };
+        Tool::new(self.as_str(), description, Arc::new(schema))
+    }
+}
+
+/// SPEC §9: the surface of a client that does not say, from its `clientInfo.name`.
+pub fn surface_of_client(name: Option<&str>) -> AgentSurface {
+    match name {
+        Some("claude-code") => AgentSurface::ClaudeCode,
+        Some("codex-mcp-client") => AgentSurface::Codex,
+        Some("cursor-vscode") => AgentSurface::Cursor,
+        Some("claude-ai") => AgentSurface::ClaudeDesktop,
+        _ => AgentSurface::Other,
+    }
+}
+
+/// SPEC §9: the call's namespace: the argument, else the header, else the caller's own
+/// namespace when it is a ServiceAccount.
+fn resolve_namespace(argument: Option<String>, header: Option<&str>, caller: &Caller) -> Result<String, ApiError> {
+    let namespace = argument
+        .or_else(|| header.map(str::to_string))
+        .or_else(|| {
+            let rest = caller.username.strip_prefix("system:serviceaccount:")?;
+            rest.split_once(':').map(|(ns, _)| ns.to_string())
+        })
+        .ok_or_else(|| {
+            ApiError::new(
+                axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+                "namespace_required",
+                "no namespace: pass the namespace argument, or the X-Prism-Namespace header",
+            )
+        })?;
+    check_namespace(&namespace)?;
+    Ok(namespace)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartArgs {
+    project_id: String,
+    session_id: Option<String>,
+    agent_surface: Option<AgentSurface>,
+    namespace: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SessionArgs {
+    session_id: String,
+    namespace: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StatusArgs {
+    project_id: String,
+    session_id: Option<String>,
+    namespace: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FenceArgs {
+    project_id: String,
+    term: i64,
+    session_id: Option<String>,
+    namespace: Option<String>,
+}
+
+fn arguments<T: DeserializeOwned>(tool: ToolName, args: Option<JsonObject>) -> Result<T, ApiError> {
+    let value = Value::Object(args.unwrap_or_default());
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let at = if path == "." { String::new() } else { format!(" at {path}") };
+        ApiError::invalid(format!("{}: bad arguments{at}: {}", tool.as_str(), e.inner()))
+    })
+}
+
+/// What a call knows about who is calling.
+struct CallContext<'a> {
+    caller: &'a Caller,
+    namespace_header: Option<&'a str>,
+    client_name: Option<String>,
+}
+
+/// A tool's answer: the structured content, a summary line for the text content, and
+/// the session facts D6 puts beside them.
+struct Answer {
+    content: Value,
+    summary: String,
+    session: Option<SessionState>,
+}
+
+/// SPEC §9 D6: the role of the session a call names, and whether it was preempted (with
+/// the master that did it, for the text).
+struct SessionState {
+    role: Option<Role>,
+    you_were_preempted: bool,
+    master: Option<RouteEntry>,
+}
+
+impl SessionState {
+    fn unregistered() -> Self {
+        SessionState { role: None, you_were_preempted: false, master: None }
+    }
+}
+
+fn role_of(live: &LiveRole) -> Role {
+    if live.is_master { Role::Master } else { Role::Peer }
+}
+
+/// The preemption line that begins the text of a preempted session's answers.
+fn preempted_line(master: Option<&RouteEntry>) -> String {
+    match master {
+        Some(m) => format!(
+            "You were preempted: {} (session {}, {}) is now master of this project. Stop acting as master.",
+            m.name, m.session_id, m.agent_surface
+        ),
+        None => "You were preempted: another session took over as master of this project. Stop acting as master."
+            .to_string(),
+    }
+}
+
+fn render(answer: Answer) -> CallToolResult {
+    let mut content = answer.content;
+    let mut text = String::new();
+    if let (Some(state), Value::Object(map)) = (&answer.session, &mut content) {
+        map.insert("role".into(), json!(state.role));
+        map.insert("you_were_preempted".into(), json!(state.you_were_preempted));
+        if state.you_were_preempted && state.role != Some(Role::Master) {
+            text.push_str(&preempted_line(state.master.as_ref()));
+            text.push('\n');
+        }
+    }
+    text.push_str(&answer.summary);
+    text.push('\n');
+    text.push_str(&content.to_string());
+    let mut result = CallToolResult::structured(content);
+    result.content = vec![ContentBlock::text(text)];
+    result
+}
+
+fn tool_error(e: &ApiError) -> CallToolResult {
+    let mut result = CallToolResult::structured_error(json!({"error": {"code": e.code, "message": e.message}}));
+    result.content = vec![ContentBlock::text(format!("error {}: {}", e.code, e.message))];
+    result
+}
+
+/// The MCP server: one per request (rmcp's service factory), over the shared state.
+pub struct PrismTools {
+    state: Arc<AppState>,
+}
+
+impl PrismTools {
+    pub fn new(state: Arc<AppState>) -> Self {
+        PrismTools { state }
+    }
+
+    async fn call(&self, tool: ToolName, args: Option<JsonObject>, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
+        match tool {
+            ToolName::Start => self.start(arguments(tool, args)?, cx).await,
+            ToolName::Wrap => self.wrap(arguments(tool, args)?, cx).await,
+            ToolName::Status => self.status(arguments(tool, args)?, cx).await,
+            ToolName::Heartbeat => self.heartbeat(arguments(tool, args)?, cx).await,
+            ToolName::Fence => self.fence(arguments(tool, args)?, cx).await,
+        }
+    }
+
+    /// Namespace, then authorization: before anything is looked up (SPEC §6).
+    async fn authorize(
+        &self,
+        tool: ToolName,
+        namespace: Option<String>,
+        cx: &CallContext<'_>,
+    ) -> Result<String, ApiError> {
+        let namespace = resolve_namespace(namespace, cx.namespace_header, cx.caller)?;
+        self.state.auth.authorize(cx.caller, tool.verb(), RESOURCE, &namespace).await?;
+        Ok(namespace)
+    }
+
+    /// D2: the call is the session's heartbeat (coalesced, and refused for another
+    /// identity's session); D6: its role. A session with no live registration has no role.
+    async fn touch(&self, namespace: &str, session_id: &str, cx: &CallContext<'_>) -> Result<SessionState, ApiError> {
+        let agents = &self.state.agents;
+        match agents.heartbeat(namespace, session_id, &cx.caller.username).await {
+            Ok(live) => {
+                let master = if live.preempted && !live.is_master {
+                    agents.routing(namespace, &live.project_id, None).await?.master
+                } else {
+                    None
+                };
+                Ok(SessionState { role: Some(role_of(&live)), you_were_preempted: live.preempted, master })
+            }
+            Err(AgentError::NotRegistered(_)) => Ok(SessionState::unregistered()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn start(&self, args: StartArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
+        check_len("project_id", &args.project_id, 128)?;
+        if let Some(s) = &args.session_id {
+            check_len("session_id", s, 256)?;
+        }
+        let namespace = self.authorize(ToolName::Start, args.namespace, cx).await?;
+        // The argument always wins over what the client's name suggests.
+        let surface = args.agent_surface.unwrap_or_else(|| surface_of_client(cx.client_name.as_deref()));
+        let session_id = args.session_id.unwrap_or_else(|| Uuid::new_v4().to_string());
+        let done =
+            self.state.agents.register(&namespace, &args.project_id, &session_id, surface, &cx.caller.username).await?;
+        let role = done.registration.role;
+        let summary = format!(
+            "You are {} of project {} (term {}) in namespace {namespace}. Your session_id is {session_id}: pass it to every later prism call.",
+            if done.is_master { "master" } else { "a peer" },
+            done.project_id,
+            done.term
+        );
+        let session = SessionState {
+            role: Some(role),
+            you_were_preempted: done.you_were_preempted,
+            master: done.routing.master.clone(),
+        };
+        Ok(Answer {
+            content: json!({
+                "session_id": session_id,
+                "registration": done.registration,
+                "namespace": namespace,
+                "project_id": done.project_id,
+                "is_master": done.is_master,
+                "term": done.term,
+                "routing": done.routing,
+            }),
+            summary,
+            session: Some(session),
+        })
+    }
+
+    async fn wrap(&self, args: SessionArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
+        check_len("session_id", &args.session_id, 256)?;
+        let namespace = self.authorize(ToolName::Wrap, args.namespace, cx).await?;
+        let agents = &self.state.agents;
+        let row = agents.live_session(&namespace, &args.session_id).await?;
+        let routing = agents.release(&row, &cx.caller.username).await?;
+        let summary = format!(
+            "Session {} left project {}; master now: {}.",
+            args.session_id,
+            routing.project_id,
+            routing.master.as_ref().map_or("none".to_string(), |m| m.name.clone())
+        );
+        let session = SessionState {
+            role: Some(Role::Released),
+            you_were_preempted: row.row.preempted,
+            master: routing.master.clone(),
+        };
+        Ok(Answer {
+            content: json!({"session_id": args.session_id, "released": [row.row.id], "routing": routing}),
+            summary,
+            session: Some(session),
+        })
+    }
+
+    async fn status(&self, args: StatusArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
+        check_len("project_id", &args.project_id, 128)?;
+        if let Some(s) = &args.session_id {
+            check_len("session_id", s, 256)?;
+        }
+        let namespace = self.authorize(ToolName::Status, args.namespace, cx).await?;
+        let session = match &args.session_id {
+            Some(s) => Some(self.touch(&namespace, s, cx).await?),
+            None => None,
+        };
+        let routing = self.state.agents.routing(&namespace, &args.project_id, args.session_id.as_deref()).await?;
+        let summary = format!(
+            "Project {} in {namespace}: term {}, master {}, {} peer(s).",
+            routing.project_id,
+            routing.term,
+            routing.master.as_ref().map_or("none".to_string(), |m| m.name.clone()),
+            routing.peers.len()
+        );
+        let content = serde_json::to_value(&routing).map_err(|e| ApiError::internal("mcp: status", e))?;
+        Ok(Answer { content, summary, session })
+    }
+
+    async fn heartbeat(&self, args: SessionArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
+        check_len("session_id", &args.session_id, 256)?;
+        let namespace = self.authorize(ToolName::Heartbeat, args.namespace, cx).await?;
+        self.state.metrics.heartbeats.inc();
+        let live = self.state.agents.heartbeat(&namespace, &args.session_id, &cx.caller.username).await?;
+        let reply = HeartbeatReply::from(&live);
+        let master = if live.preempted && !live.is_master {
+            self.state.agents.routing(&namespace, &live.project_id, None).await?.master
+        } else {
+            None
+        };
+        let summary = format!(
+            "You are {} of project {} (term {}).",
+            if reply.is_master { "master" } else { "a peer" },
+            live.project_id,
+            reply.term
+        );
+        let content = serde_json::to_value(reply).map_err(|e| ApiError::internal("mcp: heartbeat", e))?;
+        let session = SessionState { role: Some(reply.role), you_were_preempted: reply.you_were_preempted, master };
+        Ok(Answer { content, summary, session: Some(session) })
+    }
+
+    async fn fence(&self, args: FenceArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
+        check_len("project_id", &args.project_id, 128)?;
+        if let Some(s) = &args.session_id {
+            check_len("session_id", s, 256)?;
+        }
+        let namespace = self.authorize(ToolName::Fence, args.namespace, cx).await?;
+        let session = match &args.session_id {
+            Some(s) => Some(self.touch(&namespace, s, cx).await?),
+            None => None,
+        };
+        match self.state.agents.fence(&namespace, &args.project_id, args.term).await? {
+            Some(master) => Ok(Answer {
+                summary: format!("Term {} is the current master term of {}.", args.term, args.project_id),
+                content: json!({"project_id": args.project_id, "term": args.term, "master": master}),
+                session,
+            }),
+            None => Err(ApiError::conflict(
+                "stale_term",
+                format!("term {} is not the current master term of {}", args.term, args.project_id),
+            )),
+        }
+    }
+}
+
+impl ServerHandler for PrismTools {
+    fn get_info(&self) -> InitializeResult {
+        let mut info =
+            InitializeResult::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(INSTRUCTIONS);
+        info.server_info = Implementation::new("prism-operator", env!("CARGO_PKG_VERSION"));
+        info
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(ToolName::ALL.iter().map(|t| t.definition()).collect()))
+    }
+
+    fn get_tool(&self, name: &str) -> Option<Tool> {
+        ToolName::parse(name).map(ToolName::definition)
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let Some(tool) = ToolName::parse(&request.name) else {
+            return Err(ErrorData::invalid_params(
+                Cow::Owned(format!("unknown tool {:?}; the tools are {}", request.name, tool_names())),
+                None,
+            ));
+        };
+        let parts = context.extensions.get::<axum::http::request::Parts>();
+        let Some(caller) = parts.and_then(|p| p.extensions.get::<Caller>()) else {
+            // The gate authenticates every request before rmcp sees it.
+            return Err(ErrorData::internal_error("the request reached the tools unauthenticated", None));
+        };
+        // The client's name: per request in the stateless revision, from the signed
+        // session id in the session-based ones.
+        let client_name = context
+            .meta
+            .client_info()
+            .map(|c| c.name)
+            .or_else(|| parts.and_then(|p| p.extensions.get::<SessionFacts>()).map(|f| f.client_name.clone()));
+        let cx = CallContext {
+            caller,
+            namespace_header: parts.and_then(|p| p.headers.get(NAMESPACE_HEADER)).and_then(|v| v.to_str().ok()),
+            client_name,
+        };
+        let result = match self.call(tool, request.arguments, &cx).await {
+            Ok(answer) => render(answer),
+            Err(e) => tool_error(&e),
+        };
+        Ok(CallToolResponse::Complete(result))
+    }
+}
+
+fn tool_names() -> String {
+    ToolName::ALL.iter().map(|t| t.as_str()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caller(username: &str) -> Caller {
+        Caller { username: username.into(), uid: None, groups: vec![], extra: Default::default() }
+    }
+
+    #[test]
+    fn client_names_map_to_surfaces() {
+        assert_eq!(surface_of_client(Some("claude-code")), AgentSurface::ClaudeCode);
+        assert_eq!(surface_of_client(Some("codex-mcp-client")), AgentSurface::Codex);
+        assert_eq!(surface_of_client(Some("cursor-vscode")), AgentSurface::Cursor);
+        assert_eq!(surface_of_client(Some("claude-ai")), AgentSurface::ClaudeDesktop);
+        assert_eq!(surface_of_client(Some("mcp")), AgentSurface::Other);
+        assert_eq!(surface_of_client(None), AgentSurface::Other);
+    }
+
+    #[test]
+    fn the_namespace_comes_from_argument_header_or_service_account() {
+        let sa = caller("system:serviceaccount:agents:claude");
+        assert_eq!(resolve_namespace(Some("a".into()), Some("b"), &sa).expect("ns"), "a");
+        assert_eq!(resolve_namespace(None, Some("b"), &sa).expect("ns"), "b");
+        assert_eq!(resolve_namespace(None, None, &sa).expect("ns"), "agents");
+        assert_eq!(resolve_namespace(None, None, &caller("alice")).expect_err("none").code, "namespace_required");
+        assert_eq!(resolve_namespace(Some("Not_A_NS".into()), None, &sa).expect_err("bad").code, "invalid_request");
+    }
+
+    #[test]
+    fn every_tool_has_an_object_schema_and_tells_the_model_about_session_id() {
+        for tool in ToolName::ALL {
+            let def = tool.definition();
+            assert_eq!(def.name, tool.as_str());
+            assert_eq!(def.input_schema.get("type"), Some(&json!("object")));
+            assert_eq!(ToolName::parse(tool.as_str()), Some(tool));
+            let text = serde_json::to_string(&def).expect("json");
+            assert!(text.contains("session_id"), "{text}");
+        }
+        assert!(ToolName::Start.definition().description.unwrap_or_default().contains("ONCE per task"));
+        assert_eq!(ToolName::parse("prism_nope"), None);
+    }
+
+    #[test]
+    fn bad_arguments_are_invalid_requests_naming_the_field() {
+        let args = |v: Value| match v {
+            Value::Object(m) => Some(m),
+            _ => None,
+        };
+        let e = arguments::<StartArgs>(ToolName::Start, args(json!({"project_id": 5}))).err().expect("error");
+        assert_eq!(e.code, "invalid_request");
+        assert!(e.message.contains("project_id"), "{}", e.message);
+        let e = arguments::<StartArgs>(ToolName::Start, args(json!({}))).err().expect("error");
+        assert!(e.message.contains("project_id"), "{}", e.message);
+        let e = arguments::<StartArgs>(ToolName::Start, args(json!({"project_id": "p", "agent_surface": "emacs"})))
+            .err()
+            .expect("error");
+        assert!(e.message.contains("agent_surface"), "{}", e.message);
+        assert!(arguments::<StartArgs>(ToolName::Start, args(json!({"project_id": "p", "extra": 1}))).is_err());
+    }
+
+    #[test]
+    fn a_preempted_peer_is_told_first_and_the_fields_sit_at_the_top() {
+        let master = RouteEntry {
+            id: Uuid::nil(),
+            namespace: "ns".into(),
+            name: "desk".into(),
+            session_id: "s-desk".into(),
+            agent_surface: AgentSurface::ClaudeDesktop,
+            role: Role::Master,
+            registered_at: chrono::DateTime::UNIX_EPOCH,
+            last_heartbeat: chrono::DateTime::UNIX_EPOCH,
+        };
+        let result = render(Answer {
+            content: json!({"term": 2}),
+            summary: "You are a peer.".into(),
+            session: Some(SessionState { role: Some(Role::Peer), you_were_preempted: true, master: Some(master) }),
+        });
+        let structured = result.structured_content.clone().expect("structured");
+        assert_eq!(structured["role"], "Peer");
+        assert_eq!(structured["you_were_preempted"], true);
+        let text =
+            serde_json::to_value(&result.content[0]).expect("json")["text"].as_str().unwrap_or_default().to_string();
+        assert!(text.starts_with("You were preempted: desk (session s-desk, claude_desktop)"), "{text}");
+        let error = tool_error(&ApiError::not_owned("s"));
+        assert_eq!(error.is_error, Some(true));
+        assert_eq!(error.structured_content.expect("structured")["error"]["code"], "session_not_owned");
+    }
+}
