@@ -285,8 +285,7 @@ impl ElectionStore {
 
     /// `register` on behalf of `owner`, the Kubernetes identity calling the API, which
     /// then owns the session (SPEC §6). A session live on another project and owned by
-    /// someone else is not moved: `NotOwned` for an API caller, `DuplicateSession` (this
-    /// resource is not used) for a resource created with kubectl.
+    /// someone else is not moved (`NotOwned`).
     pub async fn register_owned(
         &self,
         new: &NewRegistration,
@@ -309,12 +308,11 @@ impl ElectionStore {
                     Some(existing) if existing.row.project_id == new.project_id => {
                         return Ok(RegisterOutcome::DuplicateSession { existing: existing.row });
                     }
-                    // Rule 7 is the owner's to trigger, nobody else's.
-                    Some(other) if other.owner.is_some() && other.owner.as_deref() != owner => {
-                        return match owner {
-                            Some(_) => Err(ElectionError::NotOwned(new.session_id.clone())),
-                            None => Ok(RegisterOutcome::DuplicateSession { existing: other.row }),
-                        };
+                    // Over the API, rule 7 is the owner's to trigger, nobody else's. A
+                    // resource created with kubectl (no owner) is governed by RBAC alone:
+                    // whoever may create it may as well delete the session's resource.
+                    Some(other) if owner.is_some_and(|caller| !other.owned_by(caller)) => {
+                        return Err(ElectionError::NotOwned(new.session_id.clone()));
                     }
                     // Rule 7: the session is live on another project; leave it, then elect.
                     Some(other) => match self.release_once(other.row.id, ReleaseReason::ContextSwitch).await {

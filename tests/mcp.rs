@@ -1,0 +1,403 @@
+//! `/mcp` end to end with a client nobody here wrote: the official MCP Python SDK
+//! (`mcp` from PyPI, pinned, installed by scripts/mcp-sdk) drives the seed's smoke
+//! scenarios over Streamable HTTP in both protocol generations (the initialize handshake
+//! with Mcp-Session-Id, and the stateless 2026-07-28 revision) against real operator
+//! processes, a real kube-apiserver and Postgres; this file asserts on what the SDK saw
+//! and on the database and the resources.
+
+mod support;
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use kube::Api;
+use prism_operator::crd::ControllerRegistration;
+use serde_json::{Value, json};
+use support::{Operator, TestDb, control_plane, eventually};
+
+const MODES: [&str; 2] = ["legacy", "modern"];
+
+/// The virtualenv python with the pinned SDK (installed on first use).
+fn python() -> &'static PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON.get_or_init(|| {
+        let out = std::process::Command::new(support::repo_root().join("scripts/mcp-sdk"))
+            .output()
+            .expect("run scripts/mcp-sdk");
+        assert!(out.status.success(), "scripts/mcp-sdk failed: {}", String::from_utf8_lossy(&out.stderr));
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    })
+}
+
+/// Runs one scenario of tests/mcp/scenarios.py and returns what it printed.
+async fn scenario(name: &str, mode: &str, url: &str, token: &str, extra: &[(&str, &str)]) -> Value {
+    let python = python().clone();
+    let mut cmd = tokio::process::Command::new(python);
+    cmd.arg(support::repo_root().join("tests/mcp/scenarios.py"))
+        .args([name, "--mode", mode, "--url", url, "--token", token])
+        .kill_on_drop(true);
+    for (k, v) in extra {
+        cmd.arg(format!("--{k}")).arg(v);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(180), cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("scenario {name} ({mode}) did not finish within 180 s"))
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "scenario {name} ({mode}) failed:\n{stderr}\n{stdout}");
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("scenario {name} printed no JSON ({e}):\n{stdout}\n{stderr}"))
+}
+
+/// A tool answer that is not an error: its structured content.
+fn ok<'a>(answer: &'a Value, what: &str) -> &'a Value {
+    assert_eq!(answer["is_error"], false, "{what}: {answer:#}");
+    &answer["structured"]
+}
+
+/// The code of a tool error.
+fn tool_error_code(answer: &Value) -> &str {
+    assert_eq!(answer["is_error"], true, "expected a tool error: {answer:#}");
+    answer["structured"]["error"]["code"].as_str().unwrap_or_default()
+}
+
+async fn registrations(db: &TestDb, ns: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE namespace = $1")
+        .bind(ns)
+        .fetch_one(&db.pool)
+        .await
+        .expect("count registrations")
+}
+
+/// (released_at, last_heartbeat, is_master) of a session's newest registration.
+async fn session_row(
+    db: &TestDb,
+    ns: &str,
+    session: &str,
+) -> (Option<chrono::DateTime<chrono::Utc>>, chrono::DateTime<chrono::Utc>, bool) {
+    sqlx::query_as(
+        "SELECT released_at, last_heartbeat, is_master FROM controller_registrations
+         WHERE namespace = $1 AND session_id = $2 ORDER BY registered_at DESC LIMIT 1",
+    )
+    .bind(ns)
+    .bind(session)
+    .fetch_one(&db.pool)
+    .await
+    .expect("session row")
+}
+
+fn mcp_url(op: &Operator) -> String {
+    op.url("/mcp")
+}
+
+async fn smoke_in(mode: &str) {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, &format!("mcp-{mode}")).await;
+    let db = TestDb::new().await;
+    let op = Operator::start(
+        cp,
+        &db.url,
+        &ns,
+        &[("PRISM_SWEEP_INTERVAL_SECONDS", "1"), ("PRISM_CONTROLLER_PEER_STALE_MINUTES", "5")],
+    )
+    .await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let project = "PID-MCP";
+    let out = scenario("smoke", mode, &mcp_url(&op), &token, &[("namespace", &ns), ("project", project)]).await;
+
+    let version = if mode == "legacy" { "2025-11-25" } else { "2026-07-28" };
+    assert_eq!(out["protocol_versions"], json!([version, version, version]), "{mode}");
+    assert_eq!(out["tools"], json!(["prism_fence", "prism_heartbeat", "prism_start", "prism_status", "prism_wrap"]));
+    let sessions = &out["sessions"];
+    let (s_code, s_codex, s_desk) = (
+        sessions["code"].as_str().expect("s"),
+        sessions["codex"].as_str().expect("s"),
+        sessions["desk"].as_str().expect("s"),
+    );
+    assert!(uuid::Uuid::parse_str(s_code).is_ok(), "prism_start mints a uuid session_id: {s_code}");
+
+    // (1) Fresh start: master in term 1, the surface from clientInfo.name.
+    let start = ok(&out["code_start"], "code start");
+    assert_eq!(start["role"], "Master");
+    assert_eq!(start["is_master"], true);
+    assert_eq!(start["term"], 1);
+    assert_eq!(start["you_were_preempted"], false);
+    assert_eq!(start["namespace"], ns.as_str());
+    assert_eq!(start["project_id"], project);
+    assert_eq!(start["registration"]["agent_surface"], "claude_code");
+    assert_eq!(start["routing"]["master"]["session_id"], s_code);
+    assert!(out["code_start"]["text"].as_str().unwrap_or_default().contains(s_code), "the text names the session_id");
+    // (2) A second non-desktop session is a peer.
+    let codex = ok(&out["codex_start"], "codex start");
+    assert_eq!(codex["role"], "Peer");
+    assert_eq!(codex["registration"]["agent_surface"], "codex");
+    // (3) A desktop preempts; the old master's next call says so, naming the new master.
+    let desk = ok(&out["desk_start"], "desk start");
+    assert_eq!((desk["role"].as_str(), desk["term"].as_i64()), (Some("Master"), Some(2)));
+    assert_eq!(desk["registration"]["agent_surface"], "claude_desktop");
+    let desk_name = desk["registration"]["name"].as_str().expect("name");
+    let told = ok(&out["code_after_preemption"], "heartbeat after preemption");
+    assert_eq!(told, &json!({"role": "Peer", "is_master": false, "term": 2, "you_were_preempted": true}));
+    let text = out["code_after_preemption"]["text"].as_str().unwrap_or_default();
+    assert!(text.starts_with(&format!("You were preempted: {desk_name} (session {s_desk}")), "{text}");
+    // Status shape (SPEC §6), with D6's fields on top.
+    let status = ok(&out["status"], "status");
+    for key in ["project_id", "namespace", "term", "master", "peers", "stale", "caller", "role", "you_were_preempted"] {
+        assert!(status.get(key).is_some(), "status has {key}: {status:#}");
+    }
+    assert_eq!(status["term"], 2);
+    assert_eq!(status["master"]["session_id"], s_desk);
+    assert_eq!(status["peers"].as_array().map(Vec::len), Some(2));
+    assert_eq!(status["caller"]["session_id"], s_codex);
+    assert_eq!((status["role"].as_str(), status["you_were_preempted"].as_bool()), (Some("Peer"), Some(false)));
+    for key in ["id", "namespace", "name", "session_id", "agent_surface", "role", "registered_at", "last_heartbeat"] {
+        assert!(status["master"].get(key).is_some(), "entry has {key}");
+    }
+    // Fencing.
+    assert_eq!(ok(&out["fence_current"], "fence")["master"]["session_id"], s_desk);
+    assert_eq!(tool_error_code(&out["fence_stale"]), "stale_term");
+    // (4) The desktop wraps: the earliest non-desktop peer is master at once, term 3.
+    let wrap = ok(&out["desk_wrap"], "wrap");
+    assert_eq!(wrap["released"], json!([desk["registration"]["id"]]));
+    assert_eq!(wrap["role"], "Released");
+    assert_eq!(wrap["routing"]["master"]["session_id"], s_code);
+    assert_eq!(wrap["routing"]["term"], 3);
+    let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
+    eventually(10, "the wrapped resource is deleted", || async {
+        api.get_opt(desk_name).await.ok()?.is_none().then_some(())
+    })
+    .await;
+    // (5) Context switch: codex leaves PID-MCP (wrap_session nudge) and masters PID-MCP-B.
+    let switch = ok(&out["codex_switch"], "context switch");
+    assert_eq!((switch["role"].as_str(), switch["project_id"].as_str()), (Some("Master"), Some("PID-MCP-B")));
+    let (kind, payload): (String, Value) =
+        sqlx::query_as("SELECT kind, payload FROM nudges WHERE namespace = $1 AND session_id = $2")
+            .bind(&ns)
+            .bind(s_codex)
+            .fetch_one(&db.pool)
+            .await
+            .expect("wrap_session nudge");
+    assert_eq!((kind.as_str(), payload["reason"].as_str()), ("wrap_session", Some("context_switch")));
+    // A status call with the session_id is its heartbeat: last_heartbeat moved.
+    assert_eq!(ok(&out["code_status_beat"], "status beat")["role"], "Master");
+    let registered: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "SELECT registered_at FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND released_at IS NULL",
+    )
+    .bind(&ns)
+    .bind(s_code)
+    .fetch_one(&db.pool)
+    .await
+    .expect("registered_at");
+    let (_, beat, _) = session_row(&db, &ns, s_code).await;
+    assert!(beat - registered >= chrono::TimeDelta::milliseconds(1000), "heartbeat moved: {registered} -> {beat}");
+    // Sessions started over MCP are resources like any other.
+    eventually(10, "kubectl shows both masters", || async {
+        let listed = cp.kubectl_ok(&["get", "creg", "-n", &ns, "--no-headers"]);
+        (listed.lines().filter(|l| l.contains("Master")).count() == 2).then_some(())
+    })
+    .await;
+
+    // Another identity using a session_id of the first: refused, nothing changes.
+    let intruder = support::agent_token(cp, &ns, "intruder", &["create", "delete", "get", "list"]);
+    let before = (registrations(&db, &ns).await, session_row(&db, &ns, s_codex).await);
+    let refused = scenario(
+        "intruder",
+        mode,
+        &mcp_url(&op),
+        &intruder,
+        &[("namespace", &ns), ("project", "PID-MCP-B"), ("session", s_codex)],
+    )
+    .await;
+    for call in ["heartbeat", "wrap", "start", "start_elsewhere", "status"] {
+        assert_eq!(tool_error_code(&refused[call]), "session_not_owned", "{call}");
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let after = (registrations(&db, &ns).await, session_row(&db, &ns, s_codex).await);
+    assert_eq!(before, after, "nothing changed");
+
+    // The stale sweep: code (master of PID-MCP) stops beating; released, listed as stale.
+    sqlx::query(
+        "UPDATE controller_registrations SET last_heartbeat = now() - interval '6 minutes'
+         WHERE namespace = $1 AND session_id = $2 AND released_at IS NULL",
+    )
+    .bind(&ns)
+    .bind(s_code)
+    .execute(&db.pool)
+    .await
+    .expect("backdate");
+    let reason: String = eventually(15, "the sweep releases the stale master", || async {
+        sqlx::query_scalar(
+            "SELECT release_reason FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND project_id = $3",
+        )
+        .bind(&ns)
+        .bind(s_code)
+        .bind(project)
+        .fetch_optional(&db.pool)
+        .await
+        .ok()
+        .flatten()
+        .flatten()
+    })
+    .await;
+    assert_eq!(reason, "stale_heartbeat_incident");
+    let swept = scenario(
+        "after_sweep",
+        mode,
+        &mcp_url(&op),
+        &token,
+        &[("namespace", &ns), ("project", project), ("session", s_code)],
+    )
+    .await;
+    let table = ok(&swept["status"], "status after sweep");
+    assert!(table["master"].is_null(), "{table:#}");
+    assert_eq!(table["stale"][0]["session_id"], s_code, "{table:#}");
+    assert_eq!(tool_error_code(&swept["heartbeat"]), "not_registered");
+}
+
+#[tokio::test]
+async fn seed_smoke_scenarios_over_mcp_session_based_generation() {
+    smoke_in("legacy").await;
+}
+
+#[tokio::test]
+async fn seed_smoke_scenarios_over_mcp_stateless_2026_generation() {
+    smoke_in("modern").await;
+}
+
+#[tokio::test]
+async fn bad_input_and_missing_rights_are_refused_with_codes_and_change_nothing() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "mcp-bad").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let reader = support::agent_token(cp, &ns, "reader", &["get", "list"]);
+    let http = support::http();
+    let post = |token: Option<&str>, body: String| {
+        let mut req = http
+            .post(mcp_url(&op))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(body);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "curl", "version": "1"}}})
+    .to_string();
+
+    // No token, or one the API server does not accept: 401 with the challenge.
+    for (token, code) in [(None, "unauthenticated"), (Some("not-a-token"), "invalid_token")] {
+        let r = post(token, init.clone()).await.expect("post");
+        assert_eq!(r.status(), 401);
+        assert_eq!(r.headers().get("www-authenticate").and_then(|v| v.to_str().ok()), Some("Bearer realm=\"prism\""));
+        assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], code);
+    }
+    // A Host outside the allow-list (DNS rebinding), or a foreign browser Origin: 403.
+    let r = http.post(mcp_url(&op)).header("host", "evil.example").bearer_auth(&token).body(init.clone()).send().await;
+    assert_eq!(r.expect("post").status(), 403);
+    let r = http.post(mcp_url(&op)).header("origin", "https://evil.example").bearer_auth(&token).body(init.clone());
+    let r = r.header("content-type", "application/json").send().await.expect("post");
+    assert_eq!(r.status(), 403);
+    assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], "origin_not_allowed");
+    // The handshake works with a token, and hands out a signed session id.
+    let r = post(Some(&token), init.clone()).await.expect("post");
+    assert_eq!(r.status(), 200);
+    let session = r.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+    assert!(session.as_deref().is_some_and(|s| s.starts_with("ms1.")), "{session:?}");
+    // A forged session id is an unknown session.
+    let r = http
+        .post(mcp_url(&op))
+        .bearer_auth(&token)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .header("mcp-session-id", "ms1.e30.AAAA")
+        .body(json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}).to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 404);
+    // Malformed JSON-RPC: a JSON-RPC error with a code, never a 5xx.
+    for (body, code) in [
+        ("{not json".to_string(), -32700),
+        (json!({"jsonrpc": "2.0", "id": 7, "method": 5}).to_string(), -32600),
+        ("[]".to_string(), -32600),
+    ] {
+        let r = post(Some(&token), body.clone()).await.expect("post");
+        assert_eq!(r.status(), 400, "{body}");
+        assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], code, "{body}");
+    }
+    let r = post(Some(&token), format!("{{\"pad\":\"{}\"}}", "x".repeat(100_000))).await.expect("post");
+    assert_eq!(r.status(), 413);
+
+    for mode in MODES {
+        let bad = scenario("bad_input", mode, &mcp_url(&op), &token, &[("namespace", &ns), ("project", "P")]).await;
+        for call in [
+            "wrong_type",
+            "unknown_surface",
+            "missing_project",
+            "huge_project",
+            "unknown_argument",
+            "bad_namespace",
+            "term_as_text",
+        ] {
+            assert_eq!(tool_error_code(&bad[call]), "invalid_request", "{mode} {call}: {:#}", bad[call]);
+        }
+        assert_eq!(tool_error_code(&bad["unknown_session"]), "not_registered", "{mode}");
+        assert_eq!(bad["unknown_tool"]["rpc_error"]["code"], -32602, "{mode}: {:#}", bad["unknown_tool"]);
+        // A token without the rights: a tool error `forbidden`.
+        let refused =
+            scenario("forbidden", mode, &mcp_url(&op), &reader, &[("namespace", &ns), ("project", "P")]).await;
+        assert_eq!(tool_error_code(&refused["start"]), "forbidden", "{mode}");
+        assert_eq!(tool_error_code(&refused["wrap"]), "forbidden", "{mode}");
+    }
+    let listed = cp.kubectl_ok(&["get", "creg", "-n", &ns, "-o", "wide"]);
+    assert!(listed.trim().is_empty(), "no resource was created: {listed}");
+    assert_eq!(registrations(&db, &ns).await, 0, "no row was written");
+}
+
+#[tokio::test]
+async fn two_replicas_answer_one_client_alternately() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "mcp-ha").await;
+    let db = TestDb::new().await;
+    let start = |pod: &'static str| {
+        let db_url = db.url.clone();
+        let ns = ns.clone();
+        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
+    };
+    let (a, b) = (start("mcp-replica-a").await, start("mcp-replica-b").await);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let urls = format!("{},{}", mcp_url(&a), mcp_url(&b));
+    for (i, mode) in MODES.into_iter().enumerate() {
+        // No namespace argument: the ServiceAccount's own namespace (SPEC §9).
+        let project = format!("PID-HA-{i}");
+        let out = scenario("replicas", mode, &urls, &token, &[("project", &project)]).await;
+        let started = ok(&out["start"], "start");
+        assert_eq!(started["namespace"], ns.as_str());
+        // clientInfo.name maps the surface whichever replica the call reached.
+        assert_eq!(started["registration"]["agent_surface"], "cursor", "{mode}");
+        for beat in out["heartbeats"].as_array().expect("heartbeats") {
+            assert_eq!(ok(beat, "heartbeat")["role"], "Master", "{mode}");
+        }
+        assert_eq!(ok(&out["status"], "status")["caller"]["session_id"], started["session_id"]);
+        let calls: Vec<&Value> =
+            out["http_log"].as_array().expect("log").iter().filter(|c| c["rpc"] == "tools/call").collect();
+        let ports: std::collections::BTreeSet<i64> = calls.iter().filter_map(|c| c["port"].as_i64()).collect();
+        assert_eq!(ports.len(), 2, "{mode}: tool calls reached both replicas: {:#}", out["http_log"]);
+        assert!(calls.iter().all(|c| c["status"] == 200), "{mode}: {:#}", out["http_log"]);
+        if mode == "legacy" {
+            // One Mcp-Session-Id, issued by one replica, honoured by both.
+            let ids: std::collections::BTreeSet<&str> = calls.iter().filter_map(|c| c["session"].as_str()).collect();
+            assert_eq!(ids.len(), 1, "{:#}", out["http_log"]);
+            assert_eq!(calls.iter().filter(|c| c["session"].is_string()).count(), calls.len());
+        }
+    }
+}
