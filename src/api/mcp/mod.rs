@@ -88,7 +88,7 @@ impl Endpoint {
         let (mut parts, body) = request.into_parts();
         self.state.mcp.allowed_hosts.check(&parts.uri, &parts.headers).map_err(IntoResponse::into_response)?;
         let caller = self.state.auth.authenticate(&parts.headers).await.map_err(unauthorized)?;
-        let facts = self.session(&parts.headers, &caller)?;
+        let facts = self.session(&parts.headers, &caller).map_err(|r| *r)?;
         if parts.method != Method::POST {
             // GET (a standalone SSE stream) and DELETE (end a session): rmcp's stateless
             // mode answers 405, which the MCP transport allows for both.
@@ -96,9 +96,9 @@ impl Endpoint {
             return Ok(response.map(Body::new));
         }
         let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES).await.map_err(|_| {
-            rpc_error(StatusCode::PAYLOAD_TOO_LARGE, None, ErrorData::invalid_request("request body too large", None))
+            *rpc_error(StatusCode::PAYLOAD_TOO_LARGE, None, ErrorData::invalid_request("request body too large", None))
         })?;
-        let initialize = parse(&bytes)?;
+        let initialize = parse(&bytes).map_err(|r| *r)?;
         parts.extensions.insert(caller.clone());
         if let Some(facts) = facts {
             parts.extensions.insert(facts);
@@ -114,7 +114,7 @@ impl Endpoint {
     /// The facts of the request's session, if it names one. An id that does not verify,
     /// or that another identity initialized, is an unknown session: 404, after which the
     /// MCP client initializes again.
-    fn session(&self, headers: &HeaderMap, caller: &Caller) -> Result<Option<SessionFacts>, Response> {
+    fn session(&self, headers: &HeaderMap, caller: &Caller) -> Result<Option<SessionFacts>, Refused> {
         let Some(value) = headers.get(SESSION_HEADER) else {
             return Ok(None);
         };
@@ -159,14 +159,17 @@ fn unauthorized(e: ApiError) -> Response {
     response
 }
 
-fn rpc_error(status: StatusCode, id: Option<RequestId>, error: ErrorData) -> Response {
+/// A request the gate answers itself (boxed: a response is large, the happy path small).
+type Refused = Box<Response>;
+
+fn rpc_error(status: StatusCode, id: Option<RequestId>, error: ErrorData) -> Refused {
     let body = serde_json::to_vec(&JsonRpcError::new(id, error)).unwrap_or_default();
-    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+    Box::new((status, [(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 /// Checks that the body is one JSON-RPC message (a JSON-RPC error otherwise, never a
 /// 5xx) and, for `initialize`, returns the client's name (empty when it sent none).
-fn parse(bytes: &Bytes) -> Result<Option<String>, Response> {
+fn parse(bytes: &Bytes) -> Result<Option<String>, Refused> {
     let value: Value = serde_json::from_slice(bytes).map_err(|e| {
         rpc_error(StatusCode::BAD_REQUEST, None, ErrorData::parse_error(format!("not JSON: {e}"), None))
     })?;
@@ -197,16 +200,12 @@ fn negotiated_version(body: &[u8]) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn code_of(response: Response) -> StatusCode {
-        response.status()
-    }
-
     #[test]
     fn malformed_messages_are_json_rpc_errors_not_5xx() {
         for body in [&b"{not json"[..], b"[]", b"{\"jsonrpc\":\"2.0\"}", b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":5}"]
         {
             let err = parse(&Bytes::from_static(body)).expect_err("malformed");
-            assert_eq!(code_of(err), StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(body));
+            assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(body));
         }
     }
 
