@@ -102,7 +102,10 @@ async fn main() {
     let op = support::Operator::start(cp, &db.url, &ns, &[("RUST_LOG", "warn")]).await;
     let token = support::agent_token(cp, &ns, "bench", &["create"]);
     let http = support::http();
-    println!("prism-operator MCP benchmark (concurrency {CONCURRENCY}, {}s windows, {ROUNDS} rounds)\n", WINDOW.as_secs());
+    println!(
+        "prism-operator MCP benchmark (concurrency {CONCURRENCY}, {}s windows, {ROUNDS} rounds)\n",
+        WINDOW.as_secs()
+    );
 
     // One registered session per client, as the HTTP benchmark (election (b)) has.
     for i in 0..CONCURRENCY {
@@ -149,12 +152,17 @@ async fn main() {
         move |i: usize, _n: u64| {
             let (h, base, tok, ns) = (h.clone(), base.clone(), tok.clone(), ns.clone());
             async move {
-                h.post(format!("{base}/api/v1/controller/heartbeat"))
+                let r = h
+                    .post(format!("{base}/api/v1/controller/heartbeat"))
                     .bearer_auth(&tok)
                     .json(&json!({"namespace": ns, "session_id": format!("hb-{i}")}))
                     .send()
-                    .await
-                    .is_ok_and(|r| r.status().is_success())
+                    .await;
+                // Read the answer, as the MCP client below does.
+                match r {
+                    Ok(r) if r.status().is_success() => r.json::<Value>().await.is_ok_and(|b| b["role"].is_string()),
+                    _ => false,
+                }
             }
         }
     };

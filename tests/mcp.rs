@@ -401,3 +401,62 @@ async fn two_replicas_answer_one_client_alternately() {
         }
     }
 }
+
+/// The chart's allow-list value: rendered with the Service's names, refused at install
+/// when it is not a host, and admitting those names at a real operator.
+#[tokio::test]
+async fn the_charts_allow_list_admits_its_service_names() {
+    let helm = |args: &[&str]| {
+        let tmp = std::env::temp_dir().join(format!("prism-helm-{}", uuid::Uuid::new_v4().simple()));
+        let out = std::process::Command::new(support::assets_dir().join("helm"))
+            .args(["template", "prism", support::repo_root().join("charts/prism-operator").to_str().expect("utf-8")])
+            .args(["--namespace", "prism-system", "--show-only", "templates/deployment.yaml"])
+            .args(args)
+            .env("HELM_CACHE_HOME", tmp.join("cache"))
+            .env("HELM_CONFIG_HOME", tmp.join("config"))
+            .output()
+            .expect("helm template");
+        let _ = std::fs::remove_dir_all(&tmp);
+        out
+    };
+    let out = helm(&["--set", "mcp.allowedHosts={prism.example.com,10.1.2.3:30080}"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let deployment: Value = serde_yaml::from_slice(&out.stdout).expect("yaml");
+    let env = deployment["spec"]["template"]["spec"]["containers"][0]["env"].as_array().expect("env").clone();
+    let hosts = env.iter().find(|e| e["name"] == "PRISM_MCP_ALLOWED_HOSTS").expect("PRISM_MCP_ALLOWED_HOSTS")["value"]
+        .as_str()
+        .expect("value")
+        .to_string();
+    for want in [
+        "localhost",
+        "127.0.0.1",
+        "prism-prism-operator",
+        "prism-prism-operator.prism-system.svc",
+        "prism-prism-operator.prism-system.svc.cluster.local",
+        "prism.example.com",
+        "10.1.2.3:30080",
+    ] {
+        assert!(hosts.split(',').any(|h| h == want), "{want} in {hosts}");
+    }
+    let bad = helm(&["--set", "mcp.allowedHosts={https://prism.example.com/}"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("schema"));
+
+    // The rendered list at a real operator: the Service's name passes, others do not.
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "mcp-hosts").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[("PRISM_MCP_ALLOWED_HOSTS", &hosts)]).await;
+    let http = support::http();
+    for (host, status) in [
+        ("prism-prism-operator.prism-system.svc:8080", 401),
+        ("prism.example.com", 401),
+        ("10.1.2.3:30080", 401),
+        ("10.1.2.3:8080", 403),
+        ("attacker.example", 403),
+    ] {
+        let r = http.post(mcp_url(&op)).header("host", host).body("{}").send().await.expect("post");
+        // 401: past the allow-list, stopped at the (missing) token.
+        assert_eq!(r.status(), status, "{host}");
+    }
+}

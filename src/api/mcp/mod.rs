@@ -98,14 +98,18 @@ impl Endpoint {
         let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES).await.map_err(|_| {
             *rpc_error(StatusCode::PAYLOAD_TOO_LARGE, None, ErrorData::invalid_request("request body too large", None))
         })?;
-        let initialize = parse(&bytes).map_err(|r| *r)?;
+        let peeked = parse(&bytes).map_err(|r| *r)?;
+        let json_body = declares_json(&parts.headers);
         parts.extensions.insert(caller.clone());
         if let Some(facts) = facts {
             parts.extensions.insert(facts);
         }
         let response = self.service.handle(axum::http::Request::from_parts(parts, Body::from(bytes))).await;
-        let response = response.map(Body::new);
-        match initialize {
+        let mut response = response.map(Body::new);
+        if json_body {
+            response = rewrite_refusal(response, peeked.id).await;
+        }
+        match peeked.initialize {
             Some(client_name) => Ok(self.with_session(response, &client_name, &caller).await),
             None => Ok(response),
         }
@@ -167,27 +171,84 @@ fn rpc_error(status: StatusCode, id: Option<RequestId>, error: ErrorData) -> Ref
     Box::new((status, [(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
-/// Checks that the body is one JSON-RPC message (a JSON-RPC error otherwise, never a
-/// 5xx) and, for `initialize`, returns the client's name (empty when it sent none).
-fn parse(bytes: &Bytes) -> Result<Option<String>, Refused> {
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
-        rpc_error(StatusCode::BAD_REQUEST, None, ErrorData::parse_error(format!("not JSON: {e}"), None))
+/// The little the gate reads of a message before rmcp parses it in full: the method
+/// (is it `initialize`?) and the id (for a refusal).
+#[derive(serde::Deserialize)]
+struct Peek<'a> {
+    #[serde(borrow, default)]
+    method: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default)]
+    id: Option<RequestId>,
+}
+
+/// What the gate learned of the body.
+#[derive(Debug)]
+struct Peeked {
+    id: Option<RequestId>,
+    /// `clientInfo.name` of an `initialize` request.
+    initialize: Option<String>,
+}
+
+/// Reads the body as far as the gate needs: a refusal (a JSON-RPC error, never a 5xx)
+/// for what is not JSON or not a JSON-RPC object, and the client's name for
+/// `initialize`. The full parse of every other message is rmcp's (one parse, not two, on
+/// the hot path); what rmcp then refuses becomes a JSON-RPC error too (`rewrite_refusal`).
+fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
+    let peek: Peek = serde_json::from_slice(bytes).map_err(|e| {
+        if e.is_data() {
+            rpc_error(
+                StatusCode::BAD_REQUEST,
+                None,
+                ErrorData::invalid_request(format!("not a JSON-RPC 2.0 message: {e}"), None),
+            )
+        } else {
+            rpc_error(StatusCode::BAD_REQUEST, None, ErrorData::parse_error(format!("not JSON: {e}"), None))
+        }
     })?;
-    let id = value.get("id").cloned().and_then(|id| serde_json::from_value::<RequestId>(id).ok());
-    let message: ClientJsonRpcMessage = serde_json::from_value(value).map_err(|e| {
-        rpc_error(
-            StatusCode::BAD_REQUEST,
-            id,
-            ErrorData::invalid_request(format!("not a JSON-RPC 2.0 message this server knows: {e}"), None),
-        )
-    })?;
-    Ok(match message {
-        ClientJsonRpcMessage::Request(request) => match request.request {
-            ClientRequest::InitializeRequest(init) => Some(init.params.client_info.name),
-            _ => None,
+    // Serde reads a struct from an array too; a message is an object (batches are gone
+    // from the protocol since 2025-06-18).
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(invalid_message(None, &"a message is one JSON object"));
+    }
+    let initialize = match peek.method.as_deref() {
+        Some("initialize") => match serde_json::from_slice::<ClientJsonRpcMessage>(bytes) {
+            Ok(ClientJsonRpcMessage::Request(request)) => match request.request {
+                ClientRequest::InitializeRequest(init) => Some(init.params.client_info.name),
+                _ => None,
+            },
+            Ok(_) => None,
+            Err(e) => return Err(invalid_message(peek.id, &e)),
         },
         _ => None,
-    })
+    };
+    Ok(Peeked { id: peek.id, initialize })
+}
+
+fn invalid_message(id: Option<RequestId>, error: &dyn std::fmt::Display) -> Refused {
+    rpc_error(
+        StatusCode::BAD_REQUEST,
+        id,
+        ErrorData::invalid_request(format!("not a JSON-RPC 2.0 message this server knows: {error}"), None),
+    )
+}
+
+/// Is the request's body declared JSON (what rmcp requires before it parses)?
+fn declares_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// rmcp answers a JSON body it cannot parse as a message with a plain-text 415; the MCP
+/// transport wants a JSON-RPC error.
+async fn rewrite_refusal(response: Response, id: Option<RequestId>) -> Response {
+    if response.status() != StatusCode::UNSUPPORTED_MEDIA_TYPE {
+        return response;
+    }
+    let detail = axum::body::to_bytes(response.into_body(), 4096).await.unwrap_or_default();
+    *invalid_message(id, &String::from_utf8_lossy(&detail))
 }
 
 /// `result.protocolVersion` of an `initialize` answer.
@@ -202,11 +263,20 @@ mod tests {
 
     #[test]
     fn malformed_messages_are_json_rpc_errors_not_5xx() {
-        for body in [&b"{not json"[..], b"[]", b"{\"jsonrpc\":\"2.0\"}", b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":5}"]
-        {
+        for (body, code) in [
+            (&b"{not json"[..], -32700),
+            (b"[]", -32600),
+            (b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":5}", -32600),
+            (b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":7}", -32600),
+        ] {
             let err = parse(&Bytes::from_static(body)).expect_err("malformed");
             assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(body));
+            let body = futures::executor::block_on(axum::body::to_bytes((*err).into_body(), 4096)).expect("body");
+            let json: Value = serde_json::from_slice(&body).expect("json");
+            assert_eq!(json["error"]["code"], code, "{json}");
         }
+        // The rest of a message's shape is rmcp's to check; its refusal is rewritten.
+        assert!(parse(&Bytes::from_static(b"{\"jsonrpc\":\"2.0\"}")).is_ok());
     }
 
     #[test]
@@ -217,9 +287,10 @@ mod tests {
                        "clientInfo": {"name": "claude-code", "version": "2.1"}}
         });
         let parsed = parse(&Bytes::from(body.to_string())).expect("valid");
-        assert_eq!(parsed.as_deref(), Some("claude-code"));
+        assert_eq!(parsed.initialize.as_deref(), Some("claude-code"));
         let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
-        assert_eq!(parse(&Bytes::from(call.to_string())).expect("valid"), None);
+        let parsed = parse(&Bytes::from(call.to_string())).expect("valid");
+        assert_eq!((parsed.initialize, parsed.id), (None, Some(RequestId::Number(2))));
     }
 
     #[test]

@@ -76,7 +76,14 @@ impl ToolName {
         }
     }
 
+    /// The tool's definition, built once (rmcp looks it up on every 2026-07-28 call).
     fn definition(self) -> Tool {
+        static DEFINITIONS: std::sync::OnceLock<Vec<Tool>> = std::sync::OnceLock::new();
+        let all = DEFINITIONS.get_or_init(|| ToolName::ALL.iter().map(|t| t.build_definition()).collect());
+        all.iter().find(|t| t.name == self.as_str()).cloned().unwrap_or_else(|| self.build_definition())
+    }
+
+    fn build_definition(self) -> Tool {
         let namespace = json!({"type": "string", "description": "Kubernetes namespace of the project (default: the X-Prism-Namespace header, else your ServiceAccount's namespace)", "maxLength": 63});
         let session = |required: bool| {
             json!({"type": "string", "minLength": 1, "maxLength": 256, "description":
@@ -204,7 +211,16 @@ fn arguments<T: DeserializeOwned>(tool: ToolName, args: Option<JsonObject>) -> R
 struct CallContext<'a> {
     caller: &'a Caller,
     namespace_header: Option<&'a str>,
-    client_name: Option<String>,
+    context: &'a RequestContext<RoleServer>,
+    session: Option<&'a SessionFacts>,
+}
+
+impl CallContext<'_> {
+    /// The client's `clientInfo.name`: per request in the stateless revision, from the
+    /// signed session id in the session-based ones. Read only by prism_start.
+    fn client_name(&self) -> Option<String> {
+        self.context.meta.client_info().map(|c| c.name).or_else(|| self.session.map(|f| f.client_name.clone()))
+    }
 }
 
 /// A tool's answer: the structured content, a summary line for the text content, and
@@ -258,15 +274,17 @@ fn render(answer: Answer) -> CallToolResult {
     }
     text.push_str(&answer.summary);
     text.push('\n');
+    // The JSON again as text, for clients that do not read structuredContent (MCP asks
+    // tools with structured results to do so).
     text.push_str(&content.to_string());
-    let mut result = CallToolResult::structured(content);
-    result.content = vec![ContentBlock::text(text)];
+    let mut result = CallToolResult::success(vec![ContentBlock::text(text)]);
+    result.structured_content = Some(content);
     result
 }
 
 fn tool_error(e: &ApiError) -> CallToolResult {
-    let mut result = CallToolResult::structured_error(json!({"error": {"code": e.code, "message": e.message}}));
-    result.content = vec![ContentBlock::text(format!("error {}: {}", e.code, e.message))];
+    let mut result = CallToolResult::error(vec![ContentBlock::text(format!("error {}: {}", e.code, e.message))]);
+    result.structured_content = Some(json!({"error": {"code": e.code, "message": e.message}}));
     result
 }
 
@@ -327,7 +345,7 @@ impl PrismTools {
         }
         let namespace = self.authorize(ToolName::Start, args.namespace, cx).await?;
         // The argument always wins over what the client's name suggests.
-        let surface = args.agent_surface.unwrap_or_else(|| surface_of_client(cx.client_name.as_deref()));
+        let surface = args.agent_surface.unwrap_or_else(|| surface_of_client(cx.client_name().as_deref()));
         let session_id = args.session_id.unwrap_or_else(|| Uuid::new_v4().to_string());
         let done =
             self.state.agents.register(&namespace, &args.project_id, &session_id, surface, &cx.caller.username).await?;
@@ -486,17 +504,11 @@ impl ServerHandler for PrismTools {
             // The gate authenticates every request before rmcp sees it.
             return Err(ErrorData::internal_error("the request reached the tools unauthenticated", None));
         };
-        // The client's name: per request in the stateless revision, from the signed
-        // session id in the session-based ones.
-        let client_name = context
-            .meta
-            .client_info()
-            .map(|c| c.name)
-            .or_else(|| parts.and_then(|p| p.extensions.get::<SessionFacts>()).map(|f| f.client_name.clone()));
         let cx = CallContext {
             caller,
             namespace_header: parts.and_then(|p| p.headers.get(NAMESPACE_HEADER)).and_then(|v| v.to_str().ok()),
-            client_name,
+            context: &context,
+            session: parts.and_then(|p| p.extensions.get::<SessionFacts>()),
         };
         let result = match self.call(tool, request.arguments, &cx).await {
             Ok(answer) => render(answer),
