@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use common::{CONCURRENCY, WINDOW};
 use serde_json::{Value, json};
 
-const ROUNDS: usize = 2;
+const ROUNDS: usize = 4;
 const ACCEPT: &str = "application/json, text/event-stream";
 
 /// One window: its length and the latency of each successful call.
@@ -221,11 +221,24 @@ async fn main() {
     assert!(modern_call(0, 0).await, "MCP heartbeat (2026-07-28)");
 
     let (mut api, mut legacy, mut modern) = (Tally::default(), Tally::default(), Tally::default());
-    for _ in 0..ROUNDS {
-        api.add(rate_and_latency(http_call.clone()).await);
-        legacy.add(rate_and_latency(legacy_call.clone()).await);
-        modern.add(rate_and_latency(modern_call.clone()).await);
+    for round in 1..=ROUNDS {
+        let h = rate_and_latency(http_call.clone()).await;
+        let l = rate_and_latency(legacy_call.clone()).await;
+        let m = rate_and_latency(modern_call.clone()).await;
+        let r = |w: &Window| w.latencies.len() as f64 / w.seconds;
+        println!(
+            "round {round}: HTTP {:>7.0}/s   MCP session-based {:>7.0}/s ({:.2}x)   MCP 2026-07-28 {:>7.0}/s ({:.2}x)",
+            r(&h),
+            r(&l),
+            r(&l) / r(&h),
+            r(&m),
+            r(&m) / r(&h)
+        );
+        api.add(h);
+        legacy.add(l);
+        modern.add(m);
     }
+    println!();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let http_rate = api.rate();
     let http_p99 = p99(&mut api.latencies);
