@@ -8,6 +8,8 @@
 //!
 //!   scripts/bench mcp   (or: cargo bench --bench mcp, with the services up)
 
+// Only CONCURRENCY and WINDOW: this benchmark times each call, so it has its own loop.
+#[allow(dead_code)]
 mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
