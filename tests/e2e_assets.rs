@@ -6,7 +6,9 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
+use prism_operator::election::Cause;
 use prism_operator::telemetry::Metrics;
 
 fn repo_root() -> &'static Path {
@@ -22,7 +24,18 @@ fn dashboard() -> serde_json::Value {
 /// Every sample name the exposition can carry: gauges as named, counters with `_total`,
 /// histograms with `_bucket`, `_sum` and `_count` (OpenMetrics text, prometheus-client).
 fn exported_metrics() -> BTreeSet<String> {
-    let text = Metrics::default().render();
+    // Families without a sample are not rendered: give each one a sample first.
+    let metrics = Metrics::default();
+    metrics.reconciled("controllerregistration", Duration::from_millis(3), true);
+    metrics.set_up("postgres", true);
+    metrics.set_election_events(Cause::Elected, 1);
+    metrics.set_registrations(vec![("agents".into(), true, 1), ("agents".into(), false, 2)]);
+    metrics.heartbeats.inc();
+    metrics.heartbeat_flushes.inc();
+    metrics.claim_seconds.observe(0.002);
+    metrics.runs_online.set(1);
+    metrics.jobs_queued.set(1);
+    let text = metrics.render();
     let mut names = BTreeSet::new();
     for line in text.lines() {
         let Some(rest) = line.strip_prefix("# TYPE ") else { continue };
@@ -41,6 +54,11 @@ fn exported_metrics() -> BTreeSet<String> {
                 names.insert(name.to_string());
             }
         }
+    }
+    // And every sample line's name, as rendered.
+    for line in text.lines().filter(|l| l.starts_with("prism_")) {
+        let end = line.find(['{', ' ']).unwrap_or(line.len());
+        names.insert(line[..end].to_string());
     }
     assert!(names.len() >= 8, "the exposition lists the operator's metrics: {text}");
     names
