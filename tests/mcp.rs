@@ -402,6 +402,29 @@ async fn two_replicas_answer_one_client_alternately() {
     }
 }
 
+/// SPEC §9's namespace rule for a person's token (no ServiceAccount namespace): a call
+/// without a namespace argument or header is refused with `namespace_required` and
+/// writes nothing; the `X-Prism-Namespace` header places it.
+#[tokio::test]
+async fn a_persons_token_needs_a_namespace() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "mcp-person").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let token = support::person_token(cp, &ns, &["create", "delete", "get", "list"]);
+    for (i, mode) in MODES.into_iter().enumerate() {
+        let project = format!("PID-PERSON-{i}");
+        let out =
+            scenario("person", mode, &mcp_url(&op), &token, &[("namespace-header", &ns), ("project", &project)]).await;
+        assert_eq!(tool_error_code(&out["unplaced"]), "namespace_required", "{mode}: {:#}", out["unplaced"]);
+        let placed = ok(&out["placed"], "with X-Prism-Namespace");
+        assert_eq!((placed["role"].as_str(), placed["namespace"].as_str()), (Some("Master"), Some(ns.as_str())));
+        assert_eq!(placed["registration"]["agent_surface"], "claude_code");
+    }
+    assert_eq!(registrations(&db, &ns).await, 2, "one registration per placed start, none for the refused ones");
+}
+
 /// The chart's allow-list value: rendered with the Service's names, refused at install
 /// when it is not a host, and admitting those names at a real operator.
 #[tokio::test]

@@ -191,6 +191,18 @@ async def forbidden(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
+async def person(args: argparse.Namespace) -> dict[str, Any]:
+    """A person's token (not a ServiceAccount: no namespace of its own): without a
+    namespace argument or header the call cannot be placed; with the X-Prism-Namespace
+    header (--namespace-header) it can."""
+    bare = argparse.Namespace(**{**vars(args), "namespace_header": ""})
+    async with connect(bare, "claude-code") as c:
+        unplaced = await call(c, "prism_start", {"project_id": args.project})
+    async with connect(args, "claude-code") as c:
+        placed = await call(c, "prism_start", {"project_id": args.project})
+    return {"unplaced": unplaced, "placed": placed}
+
+
 async def replicas(args: argparse.Namespace) -> dict[str, Any]:
     """One client, its requests alternating between two replicas."""
     async with connect(args, "cursor-vscode") as c:
@@ -214,6 +226,7 @@ SCENARIOS = {
     "bad_input": bad_input,
     "forbidden": forbidden,
     "replicas": replicas,
+    "person": person,
 }
 
 

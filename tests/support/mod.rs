@@ -527,6 +527,25 @@ pub fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str])
     sa_token(cp, namespace, sa, "controllerregistrations", verbs)
 }
 
+/// The bearer token of user `prism-person` (scripts/control-plane's static token: a
+/// person, as OIDC gives one, not a ServiceAccount), bound to `verbs` on registrations
+/// in `namespace`.
+pub fn person_token(cp: &ControlPlane, namespace: &str, verbs: &[&str]) -> String {
+    let verbs = verbs.iter().map(|v| format!("\"{v}\"")).collect::<Vec<_>>().join(",");
+    let manifest = format!(
+        r#"{{"apiVersion":"v1","kind":"List","items":[
+ {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"Role","metadata":{{"name":"person","namespace":"{namespace}"}},
+  "rules":[{{"apiGroups":["prism.ntecdev.ai"],"resources":["controllerregistrations"],"verbs":[{verbs}]}}]}},
+ {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"RoleBinding","metadata":{{"name":"person","namespace":"{namespace}"}},
+  "roleRef":{{"apiGroup":"rbac.authorization.k8s.io","kind":"Role","name":"person"}},
+  "subjects":[{{"apiGroup":"rbac.authorization.k8s.io","kind":"User","name":"prism-person"}}]}}]}}"#
+    );
+    let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest));
+    assert!(out.ok, "RBAC setup failed: {}", out.stderr);
+    let dir = cp.kubeconfig.parent().expect("control plane dir");
+    std::fs::read_to_string(dir.join("person-token")).expect("scripts/control-plane writes person-token")
+}
+
 /// A ServiceAccount bound to `verbs` on `resource` (group prism.ntecdev.ai) in `namespace`,
 /// and a token for it.
 pub fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) -> String {
