@@ -531,17 +531,8 @@ pub fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str])
 /// person, as OIDC gives one, not a ServiceAccount), bound to `verbs` on registrations
 /// in `namespace`.
 pub fn person_token(cp: &ControlPlane, namespace: &str, verbs: &[&str]) -> String {
-    let verbs = verbs.iter().map(|v| format!("\"{v}\"")).collect::<Vec<_>>().join(",");
-    let manifest = format!(
-        r#"{{"apiVersion":"v1","kind":"List","items":[
- {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"Role","metadata":{{"name":"person","namespace":"{namespace}"}},
-  "rules":[{{"apiGroups":["prism.ntecdev.ai"],"resources":["controllerregistrations"],"verbs":[{verbs}]}}]}},
- {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"RoleBinding","metadata":{{"name":"person","namespace":"{namespace}"}},
-  "roleRef":{{"apiGroup":"rbac.authorization.k8s.io","kind":"Role","name":"person"}},
-  "subjects":[{{"apiGroup":"rbac.authorization.k8s.io","kind":"User","name":"prism-person"}}]}}]}}"#
-    );
-    let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest));
-    assert!(out.ok, "RBAC setup failed: {}", out.stderr);
+    let subject = serde_json::json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "prism-person"});
+    bind(cp, namespace, "person", subject, "controllerregistrations", verbs, None);
     let dir = cp.kubeconfig.parent().expect("control plane dir");
     std::fs::read_to_string(dir.join("person-token")).expect("scripts/control-plane writes person-token")
 }
@@ -549,19 +540,34 @@ pub fn person_token(cp: &ControlPlane, namespace: &str, verbs: &[&str]) -> Strin
 /// A ServiceAccount bound to `verbs` on `resource` (group prism.ntecdev.ai) in `namespace`,
 /// and a token for it.
 pub fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) -> String {
-    let verbs = verbs.iter().map(|v| format!("\"{v}\"")).collect::<Vec<_>>().join(",");
-    let manifest = format!(
-        r#"{{"apiVersion":"v1","kind":"List","items":[
- {{"apiVersion":"v1","kind":"ServiceAccount","metadata":{{"name":"{sa}","namespace":"{namespace}"}}}},
- {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"Role","metadata":{{"name":"{sa}","namespace":"{namespace}"}},
-  "rules":[{{"apiGroups":["prism.ntecdev.ai"],"resources":["{resource}"],"verbs":[{verbs}]}}]}},
- {{"apiVersion":"rbac.authorization.k8s.io/v1","kind":"RoleBinding","metadata":{{"name":"{sa}","namespace":"{namespace}"}},
-  "roleRef":{{"apiGroup":"rbac.authorization.k8s.io","kind":"Role","name":"{sa}"}},
-  "subjects":[{{"kind":"ServiceAccount","name":"{sa}","namespace":"{namespace}"}}]}}]}}"#
+    let account = serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": namespace}});
+    let subject = serde_json::json!({"kind": "ServiceAccount", "name": sa, "namespace": namespace});
+    bind(cp, namespace, sa, subject, resource, verbs, Some(account));
+    cp.kubectl_ok(&["create", "token", sa, "-n", namespace]).trim().to_string()
+}
+
+/// A Role `name` with `verbs` on `resource` (group prism.ntecdev.ai) in `namespace`,
+/// bound to `subject`, applied together with `extra` (the subject itself, if it is made).
+fn bind(
+    cp: &ControlPlane,
+    namespace: &str,
+    name: &str,
+    subject: serde_json::Value,
+    resource: &str,
+    verbs: &[&str],
+    extra: Option<serde_json::Value>,
+) {
+    let meta = serde_json::json!({"name": name, "namespace": namespace});
+    let mut items: Vec<serde_json::Value> = extra.into_iter().collect();
+    items.push(serde_json::json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+        "rules": [{"apiGroups": ["prism.ntecdev.ai"], "resources": [resource], "verbs": verbs}]}));
+    items.push(
+        serde_json::json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}, "subjects": [subject]}),
     );
+    let manifest = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string();
     let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest));
     assert!(out.ok, "RBAC setup failed: {}", out.stderr);
-    cp.kubectl_ok(&["create", "token", sa, "-n", namespace]).trim().to_string()
 }
 
 /// A PostgreSQL server of the test's own (initdb in a temp dir, loopback port), for
