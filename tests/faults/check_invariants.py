@@ -1,0 +1,142 @@
+"""SPEC §10's invariants, checked from Postgres alone by code that shares nothing with the
+operator: the tables are read with `psql` and the rules below are written from SPEC §4
+and §10, not from src/election.
+
+    python3 check_invariants.py DATABASE_URL [--namespace-prefix P] [--completions FILE]
+
+Election (per project, history rows in id order, which is the order the per-project
+lock admitted them):
+  * every change of master is one row: each row's previous_master_id is the master of
+    the row before it (NULL for the first), and the last row's master and term are the
+    project's current ones;
+  * the term only rises: by exactly one for a row with a new master, unchanged for a
+    row that leaves the project without one;
+  * at most one live master at any instant: the masters' intervals are the gaps between
+    consecutive rows, so the chain above makes them disjoint; and now, at most one live
+    registration has is_master, and it is the project's master, in the project's term.
+Jobs: every job is in a state SPEC §5 allows, finished ones have completed_at, and no job
+id appears twice among the completions the load acknowledged (--completions: one job id
+per line, as the load's Runs were told "completed").
+
+Prints the counts checked; a violation prints the project (or job), the rule and the
+rows, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import subprocess
+import sys
+
+JOB_STATES = {"queued", "claimed", "running", "succeeded", "failed", "cancelled"}
+FINISHED = {"succeeded", "failed", "cancelled"}
+
+
+def rows(url: str, sql: str) -> list[list[str]]:
+    """Tab-separated rows of a query; NULL comes back as the empty string."""
+    out = subprocess.run(
+        ["psql", url, "-XAtq", "-v", "ON_ERROR_STOP=1", "-F", "\t", "-c", sql],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [line.split("\t") for line in out.splitlines() if line]
+
+
+def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, int]:
+    like = prefix.replace("\\", "\\\\").replace("_", "\\_").replace("%", "\\%") + "%"
+    quoted = like.replace("'", "''")
+    history = collections.defaultdict(list)
+    for ns, project, event_id, term, master, previous, cause in rows(
+        url,
+        "SELECT namespace, project_id, id, term, master_id, previous_master_id, cause "
+        f"FROM controller_election_events WHERE namespace LIKE '{quoted}' ORDER BY namespace, project_id, id",
+    ):
+        history[(ns, project)].append((int(event_id), int(term), master, previous, cause))
+    projects = {
+        (ns, project): (int(term), master)
+        for ns, project, term, master in rows(
+            url,
+            f"SELECT namespace, project_id, term, master_id FROM controller_projects WHERE namespace LIKE '{quoted}'",
+        )
+    }
+    live_masters = collections.defaultdict(list)
+    for ns, project, reg_id, master_term in rows(
+        url,
+        "SELECT namespace, project_id, id, master_term FROM controller_registrations "
+        f"WHERE is_master AND released_at IS NULL AND namespace LIKE '{quoted}'",
+    ):
+        live_masters[(ns, project)].append((reg_id, int(master_term) if master_term else None))
+
+    changes = 0
+    for key in sorted(set(projects) | set(history)):
+        name = f"{key[0]}/{key[1]}"
+        events = history.get(key, [])
+        master, term = "", 0
+        for event_id, t, new_master, previous, cause in events:
+            changes += 1
+            row = f"row {event_id}: term {t}, master {new_master or 'none'}, previous {previous or 'none'}, {cause}"
+            if previous != master:
+                violations.append(f"{name}: a change of master with no row of its own before {row} (the master was {master or 'none'})")
+            want = term + 1 if new_master else term
+            if t != want:
+                violations.append(f"{name}: term {t} where {want} was due (after term {term}): {row}")
+            master, term = new_master, t
+        current = projects.get(key)
+        if current is None:
+            violations.append(f"{name}: history without a project row")
+            continue
+        if (term, master) != (current[0], current[1]) and events:
+            violations.append(
+                f"{name}: the history ends at term {term}, master {master or 'none'}; the project says term {current[0]}, master {current[1] or 'none'}"
+            )
+        masters = live_masters.get(key, [])
+        if len(masters) > 1:
+            violations.append(f"{name}: {len(masters)} live masters now: {masters}")
+        for reg_id, master_term in masters:
+            if reg_id != current[1] or master_term != current[0]:
+                violations.append(
+                    f"{name}: live master {reg_id} (its term {master_term}) is not the project's master {current[1] or 'none'} in term {current[0]}"
+                )
+    return {"projects": len(projects), "changes of master": changes}
+
+
+def check_jobs(url: str, completions: str | None, violations: list[str]) -> dict[str, int]:
+    states = collections.Counter()
+    for job_id, state, completed_at in rows(url, "SELECT id, state, completed_at FROM runtime_jobs"):
+        states[state] += 1
+        if state not in JOB_STATES:
+            violations.append(f"job {job_id}: state {state!r} is not one SPEC §5 allows")
+        if state in FINISHED and not completed_at:
+            violations.append(f"job {job_id}: {state} without completed_at")
+    counts = {"jobs": sum(states.values()), **{f"jobs {s}": n for s, n in sorted(states.items())}}
+    if completions:
+        with open(completions, encoding="utf-8") as f:
+            acked = collections.Counter(line.strip() for line in f if line.strip())
+        for job_id, n in acked.items():
+            if n > 1:
+                violations.append(f"job {job_id}: acknowledged as completed {n} times")
+        counts["completions acknowledged"] = sum(acked.values())
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("database_url")
+    parser.add_argument("--namespace-prefix", default="")
+    parser.add_argument("--completions")
+    args = parser.parse_args()
+    violations: list[str] = []
+    counts = check_elections(args.database_url, args.namespace_prefix, violations)
+    counts.update(check_jobs(args.database_url, args.completions, violations))
+    print("checked: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    for v in violations:
+        print(f"VIOLATION {v}")
+    if violations:
+        sys.exit(1)
+    print("invariants hold")
+
+
+if __name__ == "__main__":
+    main()

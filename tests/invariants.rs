@@ -1,0 +1,98 @@
+//! The independent invariant checker (tests/faults/check_invariants.py: psql and SPEC §10,
+//! no project code) against a history the real operator wrote through its HTTP API, and
+//! against the same history with one forged row: it passes the first and names the
+//! project, the rule and the row for the second. The fault harness of issue #12 runs it
+//! after its faults.
+
+mod support;
+
+use serde_json::{Value, json};
+use support::{Operator, TestDb, control_plane};
+
+/// Runs the checker; returns (exit success, stdout).
+fn check(db_url: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new("python3")
+        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
+        .arg(db_url)
+        .args(args)
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.code().is_some_and(|c| c <= 1),
+        "checker crashed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), stdout)
+}
+
+#[tokio::test]
+async fn the_checker_passes_a_real_history_and_names_a_forged_row() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "invariants").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let http = support::http();
+    let register = |project: &str, session: &str, surface: &str| {
+        let req = http
+            .post(op.url("/api/v1/controller/register"))
+            .bearer_auth(&token)
+            .json(&json!({"namespace": ns, "project_id": project, "session_id": session, "agent_surface": surface}));
+        async move {
+            let r = req.send().await.expect("register");
+            assert_eq!(r.status(), 200);
+            r.json::<Value>().await.expect("json")
+        }
+    };
+    // Per project: a master, a peer, a desktop preempting, a second desktop (a peer), the
+    // master desktop moving to another project (context switch: the second desktop is
+    // promoted, and masters the other project): 4 changes of master per round.
+    for p in 0..3 {
+        let project = format!("PID-INV-{p}");
+        register(&project, &format!("code-{p}"), "claude_code").await;
+        register(&project, &format!("codex-{p}"), "codex").await;
+        register(&project, &format!("desk-{p}"), "claude_desktop").await;
+        register(&project, &format!("desk2-{p}"), "claude_desktop").await;
+        register(&format!("PID-INV-ELSEWHERE-{p}"), &format!("desk-{p}"), "claude_desktop").await;
+    }
+
+    let (ok, out) = check(&db.url, &["--namespace-prefix", &ns]);
+    assert!(ok, "a history the operator wrote holds the invariants:\n{out}");
+    assert!(out.contains("projects 6, changes of master 12"), "{out}");
+
+    // A row that re-elects the current master in the same term: the term did not rise.
+    let (term, master): (i64, uuid::Uuid) = sqlx::query_as(
+        "SELECT term, master_id FROM controller_projects WHERE namespace = $1 AND project_id = 'PID-INV-1'",
+    )
+    .bind(&ns)
+    .fetch_one(&db.pool)
+    .await
+    .expect("project");
+    sqlx::query(
+        "INSERT INTO controller_election_events (namespace, project_id, term, master_id, previous_master_id, cause)
+         VALUES ($1, 'PID-INV-1', $2, $3, $3, 'elected')",
+    )
+    .bind(&ns)
+    .bind(term)
+    .bind(master)
+    .execute(&db.pool)
+    .await
+    .expect("forge a row");
+    let (ok, out) = check(&db.url, &["--namespace-prefix", &ns]);
+    assert!(!ok, "the forged row is found:\n{out}");
+    let line = out.lines().find(|l| l.starts_with("VIOLATION")).unwrap_or_default();
+    assert!(
+        line.contains(&format!("{ns}/PID-INV-1: term {term} where {} was due", term + 1)),
+        "the violation names the project, the rule and the row: {out}"
+    );
+
+    // Completions the load acknowledged: a job told "completed" twice is a violation.
+    let file = std::env::temp_dir().join(format!("prism-completions-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::write(&file, "job-a\njob-b\njob-a\n").expect("write");
+    let (ok, out) =
+        check(&db.url, &["--namespace-prefix", "no-such-namespace-", "--completions", file.to_str().expect("utf-8")]);
+    let _ = std::fs::remove_file(&file);
+    assert!(!ok && out.contains("job job-a: acknowledged as completed 2 times"), "{out}");
+}
