@@ -1,0 +1,160 @@
+//! Postgres faults under load (SPEC §10): the operator's backends are killed
+//! (`pg_terminate_backend`) again and again while agents register, preempt and switch
+//! projects over HTTP. Afterwards the independent checker (tests/faults/check_invariants.py)
+//! finds every invariant holding, every registration the API acknowledged is in the
+//! database, and the same operator process answers again without a restart.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::postgres::PgPoolOptions;
+use support::{Operator, TestDb, control_plane};
+
+const WORKERS: u64 = 8;
+const CALLS_PER_WORKER: u64 = 40;
+const PROJECTS: u64 = 6;
+const SURFACES: [&str; 4] = ["claude_code", "codex", "cursor", "claude_desktop"];
+
+/// A small deterministic generator: the same seed gives the same storm.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (self.0 >> 33) % below
+    }
+}
+
+#[tokio::test]
+async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
+    let seed: u64 = std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130);
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "pgfaults").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let http = support::http();
+
+    // The killer works from the admin database: its own connection is not among those it ends.
+    let admin = PgPoolOptions::new().max_connections(1).connect(&support::admin_database_url()).await.expect("admin");
+    let stop = Arc::new(AtomicBool::new(false));
+    let killed = Arc::new(AtomicU64::new(0));
+    let killer = {
+        let (stop, killed, name) = (stop.clone(), killed.clone(), db.name.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                )
+                .bind(&name)
+                .fetch_one(&admin)
+                .await
+                .unwrap_or(0);
+                killed.fetch_add(n as u64, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+        })
+    };
+
+    // The storm: each worker registers its session on a project drawn from the seed, with a
+    // surface drawn too (desktops preempt), and moves it to other projects (context switches).
+    let mut workers = Vec::new();
+    for w in 0..WORKERS {
+        let (http, url, token, ns) = (http.clone(), op.url("/api/v1/controller/register"), token.clone(), ns.clone());
+        workers.push(tokio::spawn(async move {
+            let mut rng = Lcg(seed ^ (w + 1).wrapping_mul(0x9E3779B97F4A7C15));
+            let mut acknowledged = Vec::new();
+            let mut refused = std::collections::BTreeMap::<u16, u64>::new();
+            for i in 0..CALLS_PER_WORKER {
+                let session = format!("s-{w}-{}", i / 8); // a session lives for 8 calls
+                let project = format!("PID-PGF-{}", rng.next(PROJECTS));
+                let surface = SURFACES[rng.next(SURFACES.len() as u64) as usize];
+                let r = http
+                    .post(&url)
+                    .bearer_auth(&token)
+                    .json(&json!({"namespace": ns, "project_id": project, "session_id": session, "agent_surface": surface}))
+                    .send()
+                    .await
+                    .expect("the operator answers (it is not restarted)");
+                let status = r.status().as_u16();
+                if status == 200 {
+                    acknowledged.push((session, project));
+                } else {
+                    *refused.entry(status).or_default() += 1;
+                }
+            }
+            (acknowledged, refused)
+        }));
+    }
+    let mut acknowledged = Vec::new();
+    let mut refused = std::collections::BTreeMap::<u16, u64>::new();
+    for w in workers {
+        let (a, r) = w.await.expect("worker");
+        acknowledged.extend(a);
+        for (k, v) in r {
+            *refused.entry(k).or_default() += v;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    killer.await.expect("killer");
+    let kills = killed.load(Ordering::Relaxed);
+    println!(
+        "seed {seed}: {} registrations acknowledged, refused {refused:?}, {kills} backends killed",
+        acknowledged.len()
+    );
+    assert!(kills > 0, "the fault was injected");
+    assert!(!acknowledged.is_empty(), "some calls got through between the kills");
+    // A killed transaction is refused as a whole, and says so as an unavailable dependency.
+    assert!(
+        refused.keys().all(|s| *s == 503),
+        "calls refused during the kills are 503 (dependency unavailable), not {refused:?}"
+    );
+
+    // The same process recovers: ready again, and a registration goes through.
+    support::eventually(30, "the operator is ready again", || async {
+        let r = http.get(op.url("/readyz")).send().await.ok()?;
+        r.status().is_success().then_some(())
+    })
+    .await;
+    let r = http
+        .post(op.url("/api/v1/controller/register"))
+        .bearer_auth(&token)
+        .json(&json!({"namespace": ns, "project_id": "PID-PGF-AFTER", "session_id": "after", "agent_surface": "codex"}))
+        .send()
+        .await
+        .expect("register after");
+    assert_eq!(r.status(), 200, "a registration after the faults");
+    assert!(std::path::Path::new(&format!("/proc/{}", op.pid())).exists(), "the operator was not restarted");
+
+    // Nothing acknowledged is lost: each acknowledged (session, project) has its row.
+    for (session, project) in &acknowledged {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND project_id = $3",
+        )
+        .bind(&ns)
+        .bind(session)
+        .bind(project)
+        .fetch_one(&db.pool)
+        .await
+        .expect("count");
+        assert!(n >= 1, "acknowledged registration of {session} on {project} is in the database");
+    }
+    // And the invariants, checked by code that shares nothing with the operator.
+    let out = std::process::Command::new("python3")
+        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
+        .args([&db.url, "--namespace-prefix", &ns])
+        .output()
+        .expect("run the checker");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "invariants after backend kills (seed {seed}):\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
