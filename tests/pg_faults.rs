@@ -158,3 +158,158 @@ async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Jobs claimed and completed by a Run while the operator's backends are killed: every job
+/// ends finished, none is completed twice (the checker reads the completions the Run was
+/// told of), lost answers only delay a job (its visibility timeout gives it back).
+#[tokio::test]
+async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
+    use kube::api::PostParams;
+    use prism_operator::crd::{RunCredential, RunSession, RunSessionSpec};
+    use prism_operator::run_client::{self, RunClient};
+
+    const JOBS: usize = 300;
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "pgclaims").await;
+    let db = TestDb::new().await;
+    let redis = support::PrivateRedis::start();
+    let prefix = support::redis_prefix();
+    let op = Operator::start(
+        cp,
+        &db.url,
+        &ns,
+        &[
+            ("REDIS_URL", redis.url.as_str()),
+            ("PRISM_REDIS_PREFIX", prefix.as_str()),
+            ("PRISM_JOB_VISIBILITY_SECONDS", "3"),
+        ],
+    )
+    .await;
+    let (key, public) = run_client::new_key().expect("key");
+    let spec = RunSessionSpec {
+        server_instance_id: "srv-pgf".into(),
+        component_kind: "run".into(),
+        credential: RunCredential { public_key: public, generation: 1 },
+        lease_seconds: None,
+    };
+    let api: kube::Api<RunSession> = kube::Api::namespaced(client.clone(), &ns);
+    api.create(&PostParams::default(), &RunSession::new("srv-pgf-run", spec)).await.expect("create RunSession");
+    support::eventually(10, "identity mirrored", || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM run_identities WHERE server_instance_id = 'srv-pgf'")
+            .fetch_one(&db.pool)
+            .await
+            .ok()?;
+        (n == 1).then_some(())
+    })
+    .await;
+    let token = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "update"]);
+    let http = support::http();
+    for _ in 0..JOBS {
+        let r = http
+            .post(op.url("/api/v1/runtime/jobs"))
+            .bearer_auth(&token)
+            .json(&json!({"server_instance_id": "srv-pgf", "component_kind": "run", "kind": "config", "payload": {}}))
+            .send()
+            .await
+            .expect("enqueue");
+        assert!(r.status().is_success(), "enqueue: {}", r.status());
+    }
+    let mut run = RunClient::new(&op.base, "srv-pgf", "run", 1, key);
+    run.hello().await.expect("hello");
+
+    let admin = PgPoolOptions::new().max_connections(1).connect(&support::admin_database_url()).await.expect("admin");
+    let stop = Arc::new(AtomicBool::new(false));
+    let killed = Arc::new(AtomicU64::new(0));
+    let killer = {
+        let (stop, killed, name) = (stop.clone(), killed.clone(), db.name.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                )
+                .bind(&name)
+                .fetch_one(&admin)
+                .await
+                .unwrap_or(0);
+                killed.fetch_add(n as u64, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        })
+    };
+
+    // The Run claims and completes until every job is done; the faults stop after 8 s.
+    let started = std::time::Instant::now();
+    let mut completions: Vec<String> = Vec::new();
+    let mut refused = 0u64;
+    let mut twice_refused = 0u64;
+    while started.elapsed() < Duration::from_secs(60) {
+        if started.elapsed() > Duration::from_secs(8) {
+            stop.store(true, Ordering::Relaxed);
+        }
+        let finished: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE state IN ('succeeded','failed','cancelled')")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap_or(0);
+        if finished as usize == JOBS && stop.load(Ordering::Relaxed) {
+            break;
+        }
+        // The session lease lives in Redis, which this test leaves alone: keep it renewed.
+        let _ = run.heartbeat().await;
+        let jobs = match run.claim(1).await {
+            Ok(jobs) => jobs,
+            Err(_) => {
+                refused += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if jobs.is_empty() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        for job in jobs {
+            match run
+                .step(&job.id, "complete", Some(json!({"outcome": "succeeded", "result": {"by": "pg_faults"}})))
+                .await
+            {
+                Ok(_) => {
+                    completions.push(job.id.to_string());
+                    // A second completion of the same job is refused: completed at most once.
+                    let again = run.step(&job.id, "complete", Some(json!({"outcome": "failed"}))).await;
+                    if again.is_err() {
+                        twice_refused += 1;
+                    }
+                }
+                Err(_) => refused += 1,
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    killer.await.expect("killer");
+    let kills = killed.load(Ordering::Relaxed);
+    println!(
+        "{JOBS} jobs: {} completions acknowledged, {refused} calls refused during the faults, {kills} backends killed",
+        completions.len()
+    );
+    assert!(kills > 0, "the fault was injected");
+    assert_eq!(twice_refused as usize, completions.len(), "every second completion was refused");
+    let states: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM runtime_jobs GROUP BY state ORDER BY state")
+            .fetch_all(&db.pool)
+            .await
+            .expect("states");
+    assert_eq!(states, vec![("succeeded".to_string(), JOBS as i64)], "every job ended completed");
+
+    let file = std::env::temp_dir().join(format!("prism-completions-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::write(&file, completions.join("\n")).expect("write completions");
+    let out = std::process::Command::new("python3")
+        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
+        .args([&db.url, "--namespace-prefix", &ns, "--completions", file.to_str().expect("utf-8")])
+        .output()
+        .expect("run the checker");
+    let _ = std::fs::remove_file(&file);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "invariants after backend kills during claims:\n{stdout}");
+}

@@ -16,7 +16,8 @@ lock admitted them):
     registration has is_master, and it is the project's master, in the project's term.
 Jobs: every job is in a state SPEC §5 allows, finished ones have completed_at, and no job
 id appears twice among the completions the load acknowledged (--completions: one job id
-per line, as the load's Runs were told "completed").
+per line, as the load's Runs were told "completed"), each of which is finished in the
+database.
 
 Prints the counts checked; a violation prints the project (or job), the rule and the
 rows, and the exit status is 1.
@@ -104,8 +105,10 @@ def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, i
 
 def check_jobs(url: str, completions: str | None, violations: list[str]) -> dict[str, int]:
     states = collections.Counter()
+    state_of = {}
     for job_id, state, completed_at in rows(url, "SELECT id, state, completed_at FROM runtime_jobs"):
         states[state] += 1
+        state_of[job_id] = state
         if state not in JOB_STATES:
             violations.append(f"job {job_id}: state {state!r} is not one SPEC §5 allows")
         if state in FINISHED and not completed_at:
@@ -117,6 +120,8 @@ def check_jobs(url: str, completions: str | None, violations: list[str]) -> dict
         for job_id, n in acked.items():
             if n > 1:
                 violations.append(f"job {job_id}: acknowledged as completed {n} times")
+            if state_of.get(job_id) not in FINISHED:
+                violations.append(f"job {job_id}: acknowledged as completed, but {state_of.get(job_id, 'absent')} in the database")
         counts["completions acknowledged"] = sum(acked.values())
     return counts
 
