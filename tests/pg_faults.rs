@@ -29,47 +29,23 @@ impl Lcg {
     }
 }
 
-#[tokio::test]
-async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
-    let seed: u64 = std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130);
-    let cp = control_plane();
-    let client = cp.client().await;
-    let ns = support::namespace(&client, "pgfaults").await;
-    let db = TestDb::new().await;
-    let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+type Acknowledged = Vec<(String, String)>;
+type Refused = std::collections::BTreeMap<u16, u64>;
+
+/// The storm: each worker registers its session on a project drawn from the seed, with a
+/// surface drawn too (desktops preempt), and moves it to other projects (context
+/// switches). Returns the (session, project) pairs the API acknowledged and the refusals
+/// by status.
+async fn storm(op: &Operator, token: &str, ns: &str, seed: u64) -> (Acknowledged, Refused) {
     let http = support::http();
-
-    // The killer works from the admin database: its own connection is not among those it ends.
-    let admin = PgPoolOptions::new().max_connections(1).connect(&support::admin_database_url()).await.expect("admin");
-    let stop = Arc::new(AtomicBool::new(false));
-    let killed = Arc::new(AtomicU64::new(0));
-    let killer = {
-        let (stop, killed, name) = (stop.clone(), killed.clone(), db.name.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-                )
-                .bind(&name)
-                .fetch_one(&admin)
-                .await
-                .unwrap_or(0);
-                killed.fetch_add(n as u64, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(150)).await;
-            }
-        })
-    };
-
-    // The storm: each worker registers its session on a project drawn from the seed, with a
-    // surface drawn too (desktops preempt), and moves it to other projects (context switches).
     let mut workers = Vec::new();
     for w in 0..WORKERS {
-        let (http, url, token, ns) = (http.clone(), op.url("/api/v1/controller/register"), token.clone(), ns.clone());
+        let (http, url, token, ns) =
+            (http.clone(), op.url("/api/v1/controller/register"), token.to_string(), ns.to_string());
         workers.push(tokio::spawn(async move {
             let mut rng = Lcg(seed ^ (w + 1).wrapping_mul(0x9E3779B97F4A7C15));
             let mut acknowledged = Vec::new();
-            let mut refused = std::collections::BTreeMap::<u16, u64>::new();
+            let mut refused = Refused::new();
             for i in 0..CALLS_PER_WORKER {
                 let session = format!("s-{w}-{}", i / 8); // a session lives for 8 calls
                 let project = format!("PID-PGF-{}", rng.next(PROJECTS));
@@ -92,7 +68,7 @@ async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
         }));
     }
     let mut acknowledged = Vec::new();
-    let mut refused = std::collections::BTreeMap::<u16, u64>::new();
+    let mut refused = Refused::new();
     for w in workers {
         let (a, r) = w.await.expect("worker");
         acknowledged.extend(a);
@@ -100,6 +76,91 @@ async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
             *refused.entry(k).or_default() += v;
         }
     }
+    (acknowledged, refused)
+}
+
+/// What must hold after a storm under faults: the same operator process is ready again and
+/// takes a registration, every acknowledged registration has its row, and the independent
+/// checker finds SPEC §10's invariants.
+async fn after_the_storm(op: &Operator, token: &str, ns: &str, db_url: &str, acknowledged: &Acknowledged, what: &str) {
+    let http = support::http();
+    support::eventually(60, "the operator is ready again", || async {
+        let r = http.get(op.url("/readyz")).send().await.ok()?;
+        r.status().is_success().then_some(())
+    })
+    .await;
+    let r = http
+        .post(op.url("/api/v1/controller/register"))
+        .bearer_auth(token)
+        .json(&json!({"namespace": ns, "project_id": "PID-PGF-AFTER", "session_id": "after", "agent_surface": "codex"}))
+        .send()
+        .await
+        .expect("register after");
+    assert_eq!(r.status(), 200, "a registration after the faults");
+    assert!(std::path::Path::new(&format!("/proc/{}", op.pid())).exists(), "the operator was not restarted");
+
+    let pool = PgPoolOptions::new().max_connections(1).connect(db_url).await.expect("connect");
+    for (session, project) in acknowledged {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND project_id = $3",
+        )
+        .bind(ns)
+        .bind(session)
+        .bind(project)
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+        assert!(n >= 1, "acknowledged registration of {session} on {project} is in the database");
+    }
+    pool.close().await;
+    let out = std::process::Command::new("python3")
+        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
+        .args([db_url, "--namespace-prefix", ns])
+        .output()
+        .expect("run the checker");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "invariants after {what}:\n{stdout}{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Ends every backend of database `name` each `every` until `stop` is set; counts them.
+/// It works from the admin database: its own connection is not among those it ends.
+async fn backend_killer(name: &str, every: Duration) -> (Arc<AtomicBool>, Arc<AtomicU64>, tokio::task::JoinHandle<()>) {
+    let admin = PgPoolOptions::new().max_connections(1).connect(&support::admin_database_url()).await.expect("admin");
+    let stop = Arc::new(AtomicBool::new(false));
+    let killed = Arc::new(AtomicU64::new(0));
+    let handle = {
+        let (stop, killed, name) = (stop.clone(), killed.clone(), name.to_string());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                )
+                .bind(&name)
+                .fetch_one(&admin)
+                .await
+                .unwrap_or(0);
+                killed.fetch_add(n as u64, Ordering::Relaxed);
+                tokio::time::sleep(every).await;
+            }
+        })
+    };
+    (stop, killed, handle)
+}
+
+#[tokio::test]
+async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
+    let seed: u64 = std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130);
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "pgfaults").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+
+    let (stop, killed, killer) = backend_killer(&db.name, Duration::from_millis(150)).await;
+
+    let (acknowledged, refused) = storm(&op, &token, &ns, seed).await;
     stop.store(true, Ordering::Relaxed);
     killer.await.expect("killer");
     let kills = killed.load(Ordering::Relaxed);
@@ -115,48 +176,7 @@ async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
         "calls refused during the kills are 503 (dependency unavailable), not {refused:?}"
     );
 
-    // The same process recovers: ready again, and a registration goes through.
-    support::eventually(30, "the operator is ready again", || async {
-        let r = http.get(op.url("/readyz")).send().await.ok()?;
-        r.status().is_success().then_some(())
-    })
-    .await;
-    let r = http
-        .post(op.url("/api/v1/controller/register"))
-        .bearer_auth(&token)
-        .json(&json!({"namespace": ns, "project_id": "PID-PGF-AFTER", "session_id": "after", "agent_surface": "codex"}))
-        .send()
-        .await
-        .expect("register after");
-    assert_eq!(r.status(), 200, "a registration after the faults");
-    assert!(std::path::Path::new(&format!("/proc/{}", op.pid())).exists(), "the operator was not restarted");
-
-    // Nothing acknowledged is lost: each acknowledged (session, project) has its row.
-    for (session, project) in &acknowledged {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND session_id = $2 AND project_id = $3",
-        )
-        .bind(&ns)
-        .bind(session)
-        .bind(project)
-        .fetch_one(&db.pool)
-        .await
-        .expect("count");
-        assert!(n >= 1, "acknowledged registration of {session} on {project} is in the database");
-    }
-    // And the invariants, checked by code that shares nothing with the operator.
-    let out = std::process::Command::new("python3")
-        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
-        .args([&db.url, "--namespace-prefix", &ns])
-        .output()
-        .expect("run the checker");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(
-        out.status.success(),
-        "invariants after backend kills (seed {seed}):\n{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    after_the_storm(&op, &token, &ns, &db.url, &acknowledged, &format!("backend kills (seed {seed})")).await;
 }
 
 /// Jobs claimed and completed by a Run while the operator's backends are killed: every job
@@ -218,25 +238,7 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
     let mut run = RunClient::new(&op.base, "srv-pgf", "run", 1, key);
     run.hello().await.expect("hello");
 
-    let admin = PgPoolOptions::new().max_connections(1).connect(&support::admin_database_url()).await.expect("admin");
-    let stop = Arc::new(AtomicBool::new(false));
-    let killed = Arc::new(AtomicU64::new(0));
-    let killer = {
-        let (stop, killed, name) = (stop.clone(), killed.clone(), db.name.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-                )
-                .bind(&name)
-                .fetch_one(&admin)
-                .await
-                .unwrap_or(0);
-                killed.fetch_add(n as u64, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(30)).await;
-            }
-        })
-    };
+    let (stop, killed, killer) = backend_killer(&db.name, Duration::from_millis(30)).await;
 
     // The Run claims and completes until every job is done; the faults stop after 8 s.
     let started = std::time::Instant::now();
@@ -312,4 +314,31 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
     assert!(out.status.success(), "invariants after backend kills during claims:\n{stdout}");
+}
+
+/// A Postgres restart in the middle of the storm: calls during the outage are refused
+/// (503) as a whole, and afterwards everything holds as after backend kills.
+#[tokio::test]
+async fn a_postgres_restart_mid_storm_leaves_no_half_applied_change() {
+    let seed: u64 = std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130);
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "pgrestart-storm").await;
+    let pg = Arc::new(support::PrivatePostgres::start());
+    let op = Operator::start(cp, &pg.url, &ns, &[]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let restarter = {
+        let pg = pg.clone();
+        tokio::task::spawn_blocking(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            pg.ctl("stop");
+            std::thread::sleep(Duration::from_secs(2));
+            pg.ctl("start");
+        })
+    };
+    let (acknowledged, refused) = storm(&op, &token, &ns, seed).await;
+    restarter.await.expect("restart");
+    println!("seed {seed}: {} registrations acknowledged, refused {refused:?}, one restart", acknowledged.len());
+    assert!(refused.keys().all(|s| *s == 503), "calls refused during the outage are 503, not {refused:?}");
+    after_the_storm(&op, &token, &ns, &pg.url, &acknowledged, &format!("a restart (seed {seed})")).await;
 }
