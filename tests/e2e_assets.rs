@@ -4,16 +4,15 @@
 //! there, and the chart renders it as a `grafana_dashboard` ConfigMap only when asked.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
 use prism_operator::election::Cause;
 use prism_operator::telemetry::Metrics;
+use support::repo_root;
 
-fn repo_root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
+mod support;
 
 fn dashboard() -> serde_json::Value {
     let path = repo_root().join("charts/prism-operator/dashboards/prism-operator.json");

@@ -25,8 +25,15 @@ use prism_operator::crd::{
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 
+/// The checkout the tests run from. Cargo sets CARGO_MANIFEST_DIR when it runs a test, and
+/// that is the one to use: the compile-time value can name another clone, because cargo
+/// reuses a test binary built from identical sources in another checkout that shares the
+/// target directory (CI clones share `~/.cache/prism-operator/target`).
 pub fn repo_root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from).unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
+    })
 }
 
 /// KUBEBUILDER_ASSETS, the envtest convention: the directory with kube-apiserver, etcd
