@@ -1,9 +1,11 @@
 //! The runtime session registry's Redis side. Redis is required: there is no in-memory
 //! fallback, and an unreachable Redis is reported as such, never papered over.
 //!
-//! Keys of one Run identity share the hash tag `{server/component}`, and every change
-//! that touches more than one key is a single Lua script, so the scripts run unchanged on
-//! Redis Cluster:
+//! Keys of one Run identity share the hash tag `{server/component}` (identities are
+//! `[A-Za-z0-9._-]`, so no brace can move the tag), and every change that touches more
+//! than one key is a single Lua script on one slot, so the scripts run unchanged on a
+//! Redis Cluster (`PRISM_REDIS_MODE=cluster`). Nothing here lists keys (no SCAN/KEYS):
+//! every key is named from an identity Postgres knows.
 //! * `{prefix}:run:{srv/comp}:session` — hash, the live session; its TTL *is* the lease.
 //!   Its fields are strings; `target`, `capabilities` and `capacity` hold JSON, written
 //!   and read only here, so everything outside this module sees typed `Session`s.
@@ -14,11 +16,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use redis::Script;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use uuid::Uuid;
 
 use super::{RedisStep, RegistryError};
+use crate::config::RedisEndpoint;
 use crate::crd::RunTarget;
 
 /// Where a Run lives, and what its keys and jobs are addressed by: one server instance's
@@ -141,11 +146,93 @@ table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
 return fields
 "#;
 
+/// How long one request to a Redis node may take, and how long to wait for a connection.
+/// Short: a Run waiting on a dead Redis should get a 503 quickly, not hang.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// A cluster request as a whole, retries and MOVED/ASK redirections included: long enough
+/// to follow a slot map that changed under it, still a quick 503 while a slot has no
+/// master (its lease outlives that; SPEC §10).
+const CLUSTER_REQUEST_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// The one connection to Redis, whichever kind. Both kinds connect lazily and reconnect
+/// by themselves; the cluster one also follows MOVED/ASK and refreshes its slot map when
+/// a master fails over. Both speak `ConnectionLike`, so every script and command of the
+/// store is written once.
+#[derive(Clone)]
+enum Connection {
+    Standalone(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    fn open(endpoint: &RedisEndpoint) -> Result<Self, RegistryError> {
+        match endpoint {
+            RedisEndpoint::Standalone(url) => {
+                let client = redis::Client::open(url.as_str()).step("parse REDIS_URL")?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                let conn = ConnectionManager::new_lazy_with_config(client, config).step("set up the connection")?;
+                Ok(Connection::Standalone(conn))
+            }
+            RedisEndpoint::Cluster(nodes) => {
+                let client = ClusterClient::builder(nodes.iter().map(String::as_str))
+                    .connection_timeout(RESPONSE_TIMEOUT)
+                    .response_timeout(RESPONSE_TIMEOUT)
+                    .overall_response_timeout(Some(CLUSTER_REQUEST_TIMEOUT))
+                    // Retries cover redirections and a reconnect to a promoted replica; the
+                    // default (16, up to minutes apart) would outlast any request.
+                    .retries(4)
+                    .min_retry_wait(100)
+                    .max_retry_wait(1000)
+                    .build()
+                    .step("parse the REDIS_URL seed nodes")?;
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(RESPONSE_TIMEOUT)
+                    .set_response_timeout(RESPONSE_TIMEOUT);
+                // Pending: the seed nodes are dialled in the background, so the operator
+                // starts (and reports the registry unavailable) while the cluster is down.
+                Ok(Connection::Cluster(client.get_pending_async_connection_with_config(config)))
+            }
+        }
+    }
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Connection::Standalone(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Standalone(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 /// The Redis side of the registry: a lazily connected, self-reconnecting connection,
 /// the key prefix every key of this operator lives under, and the scripts.
 #[derive(Clone)]
 pub struct SessionStore {
-    conn: ConnectionManager,
+    conn: Connection,
     prefix: String,
     hello: Script,
     check: Script,
@@ -217,17 +304,9 @@ fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> String {
 
 impl SessionStore {
     /// Does not connect: the operator starts (and reports "unavailable") while Redis is down.
-    pub fn new(url: &str, prefix: &str) -> Result<Self, RegistryError> {
-        let client = redis::Client::open(url).step("parse REDIS_URL")?;
-        // Short timeouts: a Run waiting on a dead Redis should get a 503 quickly, not hang.
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(2)))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, config).step("set up the connection")?;
+    pub fn new(endpoint: &RedisEndpoint, prefix: &str) -> Result<Self, RegistryError> {
         Ok(Self {
-            conn,
+            conn: Connection::open(endpoint)?,
             prefix: prefix.to_string(),
             hello: Script::new(HELLO),
             check: Script::new(CHECK),
@@ -244,7 +323,9 @@ impl SessionStore {
         format!("{}:run:{{{}/{}}}:{suffix}", self.prefix, a.server_instance_id, a.component_kind)
     }
 
-    /// Round trip to Redis, for readiness.
+    /// Round trip to Redis, for readiness. On a cluster the client sends PING to every
+    /// master and succeeds only if all answer: a slot without a master is an unavailable
+    /// registry for the Runs that live there.
     pub async fn ping(&self) -> Result<(), RegistryError> {
         let mut conn = self.conn.clone();
         let _: String = redis::cmd("PING").query_async(&mut conn).await.step("ping")?;
@@ -373,6 +454,30 @@ mod tests {
         ("capacity", r#"{"slots":4}"#),
         ("ttl_ms", "20000"),
     ];
+
+    /// Redis Cluster's rule: the text between the first `{` and the next `}`, if not empty.
+    fn hash_tag(key: &str) -> Option<&str> {
+        let open = key.find('{')?;
+        let close = key[open + 1..].find('}')? + open + 1;
+        Some(&key[open + 1..close]).filter(|t| !t.is_empty())
+    }
+
+    #[test]
+    fn every_key_of_one_identity_is_on_the_slot_of_its_address() {
+        let endpoint = RedisEndpoint::Standalone("redis://127.0.0.1:1".into());
+        let store = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(async { SessionStore::new(&endpoint, "prism-a.b_c").expect("store") });
+        let a = RunAddress { server_instance_id: "srv-eu1.7".into(), component_kind: "run".into() };
+        let (session, retired) = store.session_keys(&a);
+        let nonce = store.key(&a, "nonce:AbC_-{x}0123456789");
+        for key in [&session, &retired, &nonce] {
+            assert_eq!(hash_tag(key), Some("srv-eu1.7/run"), "{key}");
+        }
+        assert_eq!(session, "prism-a.b_c:run:{srv-eu1.7/run}:session");
+    }
 
     #[test]
     fn a_stored_session_reads_as_typed_fields() {
