@@ -260,6 +260,16 @@ async fn keep_alive(mut run: RunClient, tally: Arc<Mutex<Tally>>, mut stop: toki
     }
 }
 
+/// What /readyz said through the fault, polled every 200 ms.
+#[derive(Debug, Default)]
+struct Readiness {
+    not_200: u32,
+    registry_unavailable: u32,
+    first_unavailable: Option<Instant>,
+    last_unavailable: Option<Instant>,
+    slowest: Duration,
+}
+
 // --- Durable rows -----------------------------------------------------------------------
 
 async fn rows(pool: &sqlx::PgPool, table: &str) -> BTreeMap<String, Value> {
@@ -419,26 +429,28 @@ async fn under_fault(hint: &str, fault: Fault) {
         let url = op.url("/readyz");
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {
-            // (non-200 answers, time the registry was reported unavailable)
-            let (mut not_200, mut unavailable) = (0u32, Duration::ZERO);
+            let mut seen = Readiness::default();
             let http = support::http();
             while !*stop.borrow() {
-                let t = Instant::now();
+                let asked = Instant::now();
                 match http.get(&url).send().await {
                     Ok(r) if r.status() == 200 => {
                         let body: Value = r.json().await.unwrap_or_default();
                         if body["checks"]["runtime_registry"]["status"] != "ok" {
-                            unavailable += Duration::from_millis(200).max(t.elapsed());
+                            seen.registry_unavailable += 1;
+                            seen.first_unavailable.get_or_insert(asked);
+                            seen.last_unavailable = Some(asked);
                         }
                     }
-                    _ => not_200 += 1,
+                    _ => seen.not_200 += 1,
                 }
+                seen.slowest = seen.slowest.max(asked.elapsed());
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(200)) => {}
                     _ = stop.changed() => {}
                 }
             }
-            (not_200, unavailable)
+            seen
         })
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -499,7 +511,7 @@ async fn under_fault(hint: &str, fault: Fault) {
     for t in tasks {
         t.await.expect("Run task");
     }
-    let (not_200, registry_down) = readiness.await.expect("readiness task");
+    let ready = readiness.await.expect("readiness task");
 
     // What the Runs saw.
     let mut claimed = vec![];
@@ -522,10 +534,17 @@ async fn under_fault(hint: &str, fault: Fault) {
         }
         claimed.extend(t.claimed.iter().copied());
     }
+    let unavailable_for = match (ready.first_unavailable, ready.last_unavailable) {
+        (Some(a), Some(b)) => b - a,
+        _ => Duration::ZERO,
+    };
     eprintln!(
-        "[redis_cluster] {hint}: all Runs alive {:.1}s after the fault; registry reported unavailable for about {:.1}s; {} jobs claimed",
+        "[redis_cluster] {hint}: all Runs alive {:.1}s after the fault; /readyz: {} answers with the registry \
+         unavailable over {:.1}s, slowest answer {:.2}s; {} jobs claimed",
         recovered.as_secs_f64(),
-        registry_down.as_secs_f64(),
+        ready.registry_unavailable,
+        unavailable_for.as_secs_f64(),
+        ready.slowest.as_secs_f64(),
         claimed.len()
     );
     assert!(!claimed.is_empty(), "the Runs claimed jobs during the test");
@@ -536,13 +555,24 @@ async fn under_fault(hint: &str, fault: Fault) {
 
     // Nothing durable changed but the claims.
     check_jobs(&jobs_before, &rows(&db.pool, "runtime_jobs").await, &claimed);
-    assert_eq!(identities_before, rows(&db.pool, "run_identities").await, "run identities changed");
+    let identities_after = rows(&db.pool, "run_identities").await;
+    for (id, before) in &identities_before {
+        assert_eq!(Some(before), identities_after.get(id), "run identity {id} changed");
+    }
+    assert_eq!(identities_before.len(), identities_after.len(), "run identities appeared");
 
     // The same operator process throughout, ready again, Redis up in its metrics.
     assert_eq!(op.exited(), None, "the operator exited:\n{}", op.logs());
     assert_eq!(op.pid(), pid);
     assert!(!op.logs().contains("panicked"), "{}", op.logs());
-    assert_eq!(not_200, 0, "/readyz answered other than 200 during the fault");
+    assert_eq!(ready.not_200, 0, "/readyz answered other than 200 during the fault");
+    // Readiness tells the truth: a master that is gone is an unavailable registry (for
+    // the Runs on its slots) until its replica takes over, and it says so within the
+    // kubelet's default probe timeout.
+    if matches!(fault, Fault::KillMaster) {
+        assert!(ready.registry_unavailable > 0, "/readyz never reported the registry unavailable: {ready:?}");
+    }
+    assert!(ready.slowest < Duration::from_secs(1), "/readyz took {:?}", ready.slowest);
     let http = support::http();
     eventually(15, "/readyz ready with the registry ok", || async {
         let r = http.get(op.url("/readyz")).send().await.ok()?;

@@ -153,6 +153,44 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// to follow a slot map that changed under it, still a quick 503 while a slot has no
 /// master (its lease outlives that; SPEC §10).
 const CLUSTER_REQUEST_TIMEOUT: Duration = Duration::from_secs(4);
+/// The readiness probe's budget: /readyz must answer within the kubelet's default probe
+/// timeout (1 s) even while Redis hangs, reporting the registry unavailable rather than
+/// getting the whole replica marked unready.
+const PING_BUDGET: Duration = Duration::from_millis(800);
+const CLUSTER_SLOTS: u32 = 16384;
+
+/// CRC16/XMODEM, the checksum Redis Cluster maps keys to slots with.
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc = 0u16;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc
+}
+
+/// A hash tag whose slot lies in `start..=end` (a few tries for a master's range; at most
+/// about 16384 x 20 for a single slot).
+fn tag_in_slots(start: u16, end: u16) -> Option<String> {
+    (0..200_000u32).map(|n| n.to_string()).find(|t| (start..=end).contains(&(crc16(t.as_bytes()) % 16384)))
+}
+
+/// The slot ranges of a `CLUSTER SLOTS` answer.
+fn slot_ranges(answer: &[Value]) -> Vec<(u16, u16)> {
+    let number = |v: &Value| match v {
+        Value::Int(n) => u16::try_from(*n).ok(),
+        _ => None,
+    };
+    answer
+        .iter()
+        .filter_map(|entry| match entry {
+            Value::Array(items) if items.len() >= 3 => Some((number(&items[0])?, number(&items[1])?)),
+            _ => None,
+        })
+        .collect()
+}
 
 /// The one connection to Redis, whichever kind. Both kinds connect lazily and reconnect
 /// by themselves; the cluster one also follows MOVED/ASK and refreshes its slot map when
@@ -323,12 +361,47 @@ impl SessionStore {
         format!("{}:run:{{{}/{}}}:{suffix}", self.prefix, a.server_instance_id, a.component_kind)
     }
 
-    /// Round trip to Redis, for readiness. On a cluster the client sends PING to every
-    /// master and succeeds only if all answer: a slot without a master is an unavailable
-    /// registry for the Runs that live there.
+    /// Round trip to Redis, for readiness and the redis-up metric, within `PING_BUDGET`.
     pub async fn ping(&self) -> Result<(), RegistryError> {
-        let mut conn = self.conn.clone();
-        let _: String = redis::cmd("PING").query_async(&mut conn).await.step("ping")?;
+        let probe = async {
+            match &self.conn {
+                Connection::Standalone(conn) => {
+                    let _: String = redis::cmd("PING").query_async(&mut conn.clone()).await.step("ping")?;
+                    Ok(())
+                }
+                Connection::Cluster(conn) => self.every_slot_answers(conn).await,
+            }
+        };
+        tokio::time::timeout(PING_BUDGET, probe).await.unwrap_or_else(|_| {
+            Err(RegistryError::Unavailable(format!("no answer within {} ms", PING_BUDGET.as_millis())))
+        })
+    }
+
+    /// A cluster is ready when every slot has a master that answers for it. PING is not
+    /// enough: the client sends it to the masters it holds connections to and drops a
+    /// dead master's, so a killed master would read as healthy until its replica takes
+    /// over (found by tests/redis_cluster.rs's kill -9). So: the slot map, then a keyed
+    /// read (EXISTS, writes nothing) into each master's range, routed as the scripts are.
+    async fn every_slot_answers(&self, conn: &ClusterConnection) -> Result<(), RegistryError> {
+        let answer: Vec<Value> =
+            redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn.clone()).await.step("read the slot map")?;
+        let ranges = slot_ranges(&answer);
+        let covered: u32 = ranges.iter().map(|(a, b)| u32::from(b.saturating_sub(*a)) + 1).sum();
+        if covered < CLUSTER_SLOTS {
+            return Err(RegistryError::Unavailable(format!(
+                "{} of {CLUSTER_SLOTS} cluster slots have no master",
+                CLUSTER_SLOTS - covered
+            )));
+        }
+        let probes = ranges.iter().filter_map(|(start, end)| {
+            let key = format!("{}:probe:{{{}}}", self.prefix, tag_in_slots(*start, *end)?);
+            let mut conn = conn.clone();
+            Some(async move {
+                let _: bool = redis::cmd("EXISTS").arg(key).query_async(&mut conn).await.step("reach every master")?;
+                Ok::<_, RegistryError>(())
+            })
+        });
+        futures::future::try_join_all(probes).await?;
         Ok(())
     }
 
@@ -477,6 +550,24 @@ mod tests {
             assert_eq!(hash_tag(key), Some("srv-eu1.7/run"), "{key}");
         }
         assert_eq!(session, "prism-a.b_c:run:{srv-eu1.7/run}:session");
+    }
+
+    #[test]
+    fn slots_are_computed_as_redis_computes_them() {
+        // Answers of CLUSTER KEYSLOT on Redis 7.
+        for (key, slot) in [("123456789", 12739), ("foo", 12182), ("somekey", 11058), ("hello", 866)] {
+            assert_eq!(crc16(key.as_bytes()) % 16384, slot, "{key}");
+        }
+        for (start, end) in [(0, 5460), (5461, 10922), (10923, 16383), (777, 777), (16383, 16383)] {
+            let tag = tag_in_slots(start, end).expect("a tag");
+            assert!((start..=end).contains(&(crc16(tag.as_bytes()) % 16384)), "{tag} for {start}-{end}");
+        }
+        let answer = vec![
+            Value::Array(vec![Value::Int(0), Value::Int(5460), Value::Array(vec![])]),
+            Value::Array(vec![Value::Int(5461), Value::Int(16383), Value::Array(vec![]), Value::Array(vec![])]),
+            Value::Nil,
+        ];
+        assert_eq!(slot_ranges(&answer), [(0, 5460), (5461, 16383)]);
     }
 
     #[test]
