@@ -102,6 +102,9 @@ async fn hello_heartbeat_supersede_and_online_status() {
     let out = w.cp.kubectl_ok(&["get", "rsess", "-n", &w.ns, "--no-headers"]);
     assert!(out.contains("srv-1") && out.contains("Online"), "{out}");
 
+    // The pass this is (scripts/test runs the suite on a standalone Redis and on a cluster).
+    let mode = if support::redis_cluster_mode() { "\"redis\":\"cluster redis://" } else { "\"redis\":\"redis://" };
+    assert!(w.op.logs().contains(mode), "{mode} in the operator's log:\n{}", w.op.logs());
     let metrics = support::http().get(w.op.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
     assert!(metrics.lines().any(|l| l == "prism_runtime_runs_online 1"), "{metrics}");
     assert!(metrics.lines().any(|l| l == "prism_dependency_up{dependency=\"redis\"} 1"), "{metrics}");

@@ -88,8 +88,11 @@ async fn open_session_store(args: &RunArgs) -> anyhow::Result<SessionStore> {
     let endpoint = args.redis_endpoint()?;
     let sessions = SessionStore::new(&endpoint, &args.redis_prefix)
         .with_context(|| format!("REDIS_URL {} is malformed", endpoint.redacted()))?;
-    if let Err(e) = sessions.ping().await {
-        warn!(redis = %endpoint.redacted(), error = %e, "Redis is unreachable; the runtime registry is unavailable until it returns");
+    match sessions.ping().await {
+        Ok(()) => info!(redis = %endpoint.redacted(), "runtime registry (Redis) reachable"),
+        Err(e) => {
+            warn!(redis = %endpoint.redacted(), error = %e, "Redis is unreachable; the runtime registry is unavailable until it returns")
+        }
     }
     Ok(sessions)
 }
