@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use common::{CONCURRENCY, WINDOW, rate};
 use kube::Api;
 use kube::api::PostParams;
+use prism_operator::config::RedisEndpoint;
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec};
 use prism_operator::run_client::{self, RunClient};
 use prism_operator::run_registry::service::token_hash;
@@ -71,7 +72,7 @@ async fn main() {
         async move { r[i].heartbeat().await.is_ok() }
     })
     .await;
-    let store = SessionStore::new(&support::redis_url(), &prefix).expect("redis");
+    let store = SessionStore::new(&RedisEndpoint::Standalone(support::redis_url()), &prefix).expect("redis");
     let raw = redis::Client::open(support::redis_url()).expect("redis");
     let conn = raw.get_multiplexed_async_connection().await.expect("connect");
     let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);

@@ -111,9 +111,14 @@ pub struct DatabaseArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
-    /// Redis URL (redis://host:port). Redis is required: there is no in-memory fallback.
+    /// Redis URL (redis://host:port); with --redis-mode cluster, a comma-separated list of
+    /// seed nodes of a Redis Cluster. Redis is required: there is no in-memory fallback.
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
+    /// `standalone` (one Redis) or `cluster` (a Redis Cluster; REDIS_URL lists seed nodes).
+    /// Checked by `validate`, not clap, so a bad value is an error naming the variable.
+    #[arg(long, env = "PRISM_REDIS_MODE", default_value = "standalone")]
+    pub redis_mode: String,
     /// Prefix of every Redis key this operator writes.
     #[arg(long, env = "PRISM_REDIS_PREFIX", default_value = "prism")]
     pub redis_prefix: String,
@@ -168,6 +173,28 @@ fn parse_switch(s: &str) -> Result<bool, String> {
     }
 }
 
+/// Where the runtime registry's Redis is, as REDIS_URL and PRISM_REDIS_MODE say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RedisEndpoint {
+    /// One Redis server (or a proxy in front of several).
+    Standalone(String),
+    /// Seed nodes of a Redis Cluster: the client learns the rest of the topology from them.
+    Cluster(Vec<String>),
+}
+
+impl RedisEndpoint {
+    /// For logs and errors: every URL without its password.
+    pub fn redacted(&self) -> String {
+        match self {
+            RedisEndpoint::Standalone(url) => redact_url(url),
+            RedisEndpoint::Cluster(nodes) => {
+                let nodes: Vec<String> = nodes.iter().map(|n| redact_url(n)).collect();
+                format!("cluster {}", nodes.join(","))
+            }
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
     #[error("{0} is not set (flag --{1})")]
@@ -191,20 +218,55 @@ impl DatabaseArgs {
     }
 }
 
+fn is_redis_url(url: &str) -> bool {
+    url.starts_with("redis://") || url.starts_with("rediss://")
+}
+
 impl RunArgs {
-    pub fn redis_url(&self) -> Result<&str, ConfigError> {
-        let url = self.redis_url.as_deref().filter(|u| !u.trim().is_empty());
+    /// REDIS_URL read as PRISM_REDIS_MODE says, checked for shape only.
+    pub fn redis_endpoint(&self) -> Result<RedisEndpoint, ConfigError> {
+        let cluster = match self.redis_mode.trim().to_ascii_lowercase().as_str() {
+            "standalone" => false,
+            "cluster" => true,
+            other => {
+                return Err(ConfigError::Malformed(
+                    "PRISM_REDIS_MODE",
+                    format!("expected standalone or cluster, got {other:?}"),
+                ));
+            }
+        };
+        let url = self.redis_url.as_deref().map(str::trim).filter(|u| !u.is_empty());
         let url = url.ok_or(ConfigError::Missing("REDIS_URL", "redis-url"))?;
-        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-            return Err(ConfigError::Malformed("REDIS_URL", "expected redis://host:port".into()));
+        if !cluster {
+            if url.contains(',') {
+                return Err(ConfigError::Malformed(
+                    "REDIS_URL",
+                    "a list of seed nodes needs PRISM_REDIS_MODE=cluster".into(),
+                ));
+            }
+            if !is_redis_url(url) {
+                return Err(ConfigError::Malformed("REDIS_URL", "expected redis://host:port".into()));
+            }
+            return Ok(RedisEndpoint::Standalone(url.to_string()));
         }
-        Ok(url)
+        let nodes: Vec<String> = url.split(',').map(str::trim).filter(|n| !n.is_empty()).map(String::from).collect();
+        if nodes.is_empty() || !nodes.iter().all(|n| is_redis_url(n)) {
+            return Err(ConfigError::Malformed(
+                "REDIS_URL",
+                "expected seed nodes redis://host:port,redis://host:port,... (PRISM_REDIS_MODE=cluster)".into(),
+            ));
+        }
+        // The cluster client speaks one scheme to every node: a mix is a typo, not a plan.
+        if nodes.iter().any(|n| n.starts_with("rediss://") != nodes[0].starts_with("rediss://")) {
+            return Err(ConfigError::Malformed("REDIS_URL", "seed nodes mix redis:// and rediss://".into()));
+        }
+        Ok(RedisEndpoint::Cluster(nodes))
     }
 
     /// Checks everything that can be checked without connecting.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.database.url()?;
-        self.redis_url()?;
+        self.redis_endpoint()?;
         let prefix_ok = !self.redis_prefix.is_empty()
             && self.redis_prefix.len() <= 64
             && self.redis_prefix.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
@@ -272,7 +334,43 @@ mod tests {
         assert!(a.watch_namespace.is_none());
         assert_eq!(a.mcp_allowed_hosts, ["localhost", "127.0.0.1", "::1"]);
         assert!(a.mcp_session_key.is_none());
+        assert_eq!(a.redis_mode, "standalone");
+        assert_eq!(a.redis_endpoint(), Ok(RedisEndpoint::Standalone("redis://x".into())));
         assert_eq!(a.validate(), Ok(()));
+    }
+
+    #[test]
+    fn redis_mode_decides_how_redis_url_is_read() {
+        let mut a = run_args(&["--database-url", "postgres://a@b/c"]).unwrap();
+        a.redis_mode = "cluster".into();
+        a.redis_url = Some(" redis://n1:7001, redis://n2:7002 ,".into());
+        assert_eq!(
+            a.redis_endpoint(),
+            Ok(RedisEndpoint::Cluster(vec!["redis://n1:7001".into(), "redis://n2:7002".into()]))
+        );
+        a.redis_url = Some("rediss://n1:7001".into());
+        assert_eq!(a.redis_endpoint(), Ok(RedisEndpoint::Cluster(vec!["rediss://n1:7001".into()])));
+        a.redis_url = Some("redis://n1:7001,n2:7002".into());
+        assert!(a.validate().unwrap_err().to_string().starts_with("REDIS_URL is malformed"));
+        a.redis_url = Some("redis://n1:7001,rediss://n2:7002".into());
+        assert!(a.validate().unwrap_err().to_string().contains("mix"));
+        a.redis_url = Some(",".into());
+        assert!(a.validate().unwrap_err().to_string().starts_with("REDIS_URL is malformed"));
+        a.redis_mode = "Cluster".into();
+        a.redis_url = Some("redis://n1:7001".into());
+        assert_eq!(a.validate(), Ok(()));
+
+        // A list without cluster mode is a mistake worth naming; a bad mode names the variable.
+        a.redis_mode = "standalone".into();
+        a.redis_url = Some("redis://n1:7001,redis://n2:7002".into());
+        assert!(a.validate().unwrap_err().to_string().contains("PRISM_REDIS_MODE=cluster"));
+        a.redis_mode = "sentinel".into();
+        assert_eq!(
+            a.validate().unwrap_err().to_string(),
+            "PRISM_REDIS_MODE is malformed: expected standalone or cluster, got \"sentinel\""
+        );
+        let cluster = RedisEndpoint::Cluster(vec!["redis://u:pw@n1:1".into(), "redis://n2:2".into()]);
+        assert_eq!(cluster.redacted(), "cluster redis://u:***@n1:1,redis://n2:2");
     }
 
     #[test]

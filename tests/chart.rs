@@ -136,11 +136,37 @@ fn default_ha_and_demo_values_render() {
 #[test]
 fn bad_values_fail_at_install_time() {
     let chart = chart();
-    for bad in ["replicas=0", "config.runLeaseSeconds=2", "config.logFormat=xml", "service.type=Magic", "nope=1"] {
+    for bad in [
+        "replicas=0",
+        "config.runLeaseSeconds=2",
+        "config.logFormat=xml",
+        "service.type=Magic",
+        "nope=1",
+        "redis.mode=sentinel",
+    ] {
         let (ok, _, err) = helm(&["template", "prism", chart.as_str(), "--set", bad], None);
         assert!(!ok, "{bad} must be rejected");
         assert!(err.contains("schema"), "{bad}: {err}");
     }
+    // The demo's one Redis is not a cluster.
+    let (ok, _, err) =
+        helm(&["template", "prism", chart.as_str(), "--set", "demo.enabled=true", "--set", "redis.mode=cluster"], None);
+    assert!(!ok && err.contains("redis.mode=standalone"), "{err}");
+}
+
+#[test]
+fn redis_mode_reaches_the_operator() {
+    let env_of = |extra: &[&str]| {
+        let docs = render(extra);
+        let deploy = docs.iter().find(|d| d["kind"] == "Deployment").expect("deployment").clone();
+        let env = deploy["spec"]["template"]["spec"]["containers"][0]["env"].as_sequence().expect("env").clone();
+        env.iter()
+            .find(|e| e["name"] == "PRISM_REDIS_MODE")
+            .and_then(|e| e["value"].as_str().map(str::to_string))
+            .expect("PRISM_REDIS_MODE in the operator's env")
+    };
+    assert_eq!(env_of(&[]), "standalone");
+    assert_eq!(env_of(&["--set", "redis.mode=cluster"]), "cluster");
 }
 
 #[tokio::test]

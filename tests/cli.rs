@@ -10,7 +10,7 @@ use support::{Operator, TestDb, control_plane};
 fn bin() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_prism-operator"));
     // Only what each test sets: no DATABASE_URL etc. leaking in from the test environment.
-    for var in ["DATABASE_URL", "REDIS_URL", "KUBECONFIG", "PRISM_LISTEN", "PRISM_REDIS_PREFIX"] {
+    for var in ["DATABASE_URL", "REDIS_URL", "KUBECONFIG", "PRISM_LISTEN", "PRISM_REDIS_PREFIX", "PRISM_REDIS_MODE"] {
         cmd.env_remove(var);
     }
     cmd
@@ -51,6 +51,11 @@ fn bad_configuration_is_a_one_line_error() {
     assert!(e.contains("--reconcile-concurrency"), "{e}");
     let e = one_line_error(&["run"], &[("PRISM_LEADER_ELECTION", "perhaps")]);
     assert!(e.contains("perhaps"), "{e}");
+    let urls = [("DATABASE_URL", "postgres://u:pw@127.0.0.1:1/db"), ("REDIS_URL", "redis://127.0.0.1:1")];
+    let e = one_line_error(&["run"], &[urls[0], urls[1], ("PRISM_REDIS_MODE", "sentinel")]);
+    assert_eq!(e, "error: PRISM_REDIS_MODE is malformed: expected standalone or cluster, got \"sentinel\"");
+    let e = one_line_error(&["run"], &[urls[0], ("REDIS_URL", "redis://127.0.0.1:1,redis://127.0.0.1:2")]);
+    assert!(e.starts_with("error: REDIS_URL is malformed") && e.contains("PRISM_REDIS_MODE=cluster"), "{e}");
     // A password in a bad URL never reaches the terminal.
     let e = one_line_error(&["migrate"], &[("DATABASE_URL", "postgres://prism:hunter2@127.0.0.1:1/db")]);
     assert!(e.contains("cannot connect to PostgreSQL") && !e.contains("hunter2"), "{e}");

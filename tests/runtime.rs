@@ -102,6 +102,9 @@ async fn hello_heartbeat_supersede_and_online_status() {
     let out = w.cp.kubectl_ok(&["get", "rsess", "-n", &w.ns, "--no-headers"]);
     assert!(out.contains("srv-1") && out.contains("Online"), "{out}");
 
+    // The pass this is (scripts/test runs the suite on a standalone Redis and on a cluster).
+    let mode = if support::redis_cluster_mode() { "\"redis\":\"cluster redis://" } else { "\"redis\":\"redis://" };
+    assert!(w.op.logs().contains(mode), "{mode} in the operator's log:\n{}", w.op.logs());
     let metrics = support::http().get(w.op.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
     assert!(metrics.lines().any(|l| l == "prism_runtime_runs_online 1"), "{metrics}");
     assert!(metrics.lines().any(|l| l == "prism_dependency_up{dependency=\"redis\"} 1"), "{metrics}");
@@ -302,6 +305,15 @@ async fn redis_down_flushed_and_operator_restarted() {
 
     // Redis stopped: readiness says so, Runs get 503 runtime_registry_unavailable, no job
     // is assigned; the RunSession shows Unavailable.
+    let identity_row = || async {
+        let row: String =
+            sqlx::query_scalar("SELECT to_jsonb(i)::text FROM run_identities i WHERE server_instance_id = 'srv-r'")
+                .fetch_one(&w.db.pool)
+                .await
+                .expect("identity row");
+        row
+    };
+    let identity_before = identity_row().await;
     w.redis.down();
     let http = support::http();
     let ready: Value = http.get(w.op.url("/readyz")).send().await.expect("readyz").json().await.expect("json");
@@ -336,6 +348,9 @@ async fn redis_down_flushed_and_operator_restarted() {
     run.hello().await.expect("hello again");
     phase(&w.api, "srv-r-run", RunPhase::Online, 5).await;
     assert_eq!(run.claim(5).await.expect("claim").len(), 1);
+    // Redis going and coming back reconciled the RunSession twice; its durable identity
+    // row was not rewritten (not even its updated_at).
+    assert_eq!(identity_row().await, identity_before);
 }
 
 #[tokio::test]

@@ -139,9 +139,12 @@ async fn healthz() -> &'static str {
 /// in the Service and Runs get a precise 503 `runtime_registry_unavailable` rather than
 /// a connection error.
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
-    let postgres = sqlx::query("SELECT 1").execute(&state.db).await.map(|_| ()).map_err(|e| e.to_string());
-    let redis = state.registry.sessions.ping().await.map_err(|e| e.to_string());
-    let kubernetes = state.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string());
+    // At once, not one after another: a probe has one timeout for the whole answer.
+    let (postgres, redis, kubernetes) = tokio::join!(
+        async { sqlx::query("SELECT 1").execute(&state.db).await.map(|_| ()).map_err(|e| e.to_string()) },
+        async { state.registry.sessions.ping().await.map_err(|e| e.to_string()) },
+        async { state.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string()) },
+    );
     let check = |r: &Result<(), String>| match r {
         Ok(()) => json!({"status": "ok"}),
         Err(e) => json!({"status": "unavailable", "message": e}),

@@ -85,11 +85,14 @@ async fn mcp_config(args: &RunArgs, pool: &sqlx::PgPool) -> anyhow::Result<api::
 /// The Redis side of the registry. An unreachable Redis is no reason not to start: the
 /// registry reports itself unavailable until it returns.
 async fn open_session_store(args: &RunArgs) -> anyhow::Result<SessionStore> {
-    let url = args.redis_url()?;
-    let sessions = SessionStore::new(url, &args.redis_prefix)
-        .with_context(|| format!("REDIS_URL {} is malformed", redact_url(url)))?;
-    if let Err(e) = sessions.ping().await {
-        warn!(redis = %redact_url(url), error = %e, "Redis is unreachable; the runtime registry is unavailable until it returns");
+    let endpoint = args.redis_endpoint()?;
+    let sessions = SessionStore::new(&endpoint, &args.redis_prefix)
+        .with_context(|| format!("REDIS_URL {} is malformed", endpoint.redacted()))?;
+    match sessions.ping().await {
+        Ok(()) => info!(redis = %endpoint.redacted(), "runtime registry (Redis) reachable"),
+        Err(e) => {
+            warn!(redis = %endpoint.redacted(), error = %e, "Redis is unreachable; the runtime registry is unavailable until it returns")
+        }
     }
     Ok(sessions)
 }

@@ -60,7 +60,11 @@ impl IdentityStore {
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
              ON CONFLICT (id) DO UPDATE SET public_key = EXCLUDED.public_key, key_generation = EXCLUDED.key_generation,
                  lease_seconds = EXCLUDED.lease_seconds, updated_at = now()
-             WHERE run_identities.revoked_at IS NULL",
+             WHERE run_identities.revoked_at IS NULL
+               -- Only a real change writes: every reconcile mirrors (a Redis outage
+               -- reconciles them all), and that must not touch a durable row (SPEC §10).
+               AND (run_identities.public_key, run_identities.key_generation, run_identities.lease_seconds)
+                   IS DISTINCT FROM (EXCLUDED.public_key, EXCLUDED.key_generation, EXCLUDED.lease_seconds)",
         )
         .bind(i.id)
         .bind(&i.namespace)

@@ -27,6 +27,10 @@ pub enum RegistryError {
     /// A session hash this build cannot read (written by hand, or by another version).
     #[error("runtime registry (Redis): the session of {address} has {field} = {value:?}, which cannot be read")]
     CorruptSession { address: RunAddress, field: &'static str, value: String },
+    /// Redis did not answer a probe in time, or (a cluster) some slots have no master
+    /// that answers for them.
+    #[error("runtime registry (Redis): {0}")]
+    Unavailable(String),
     #[error("no randomness available: {0}")]
     Entropy(String),
 }
@@ -40,6 +44,7 @@ impl RegistryError {
             RegistryError::Redis { source, .. } => {
                 !matches!(source.kind(), ErrorKind::Parse | ErrorKind::UnexpectedReturnType)
             }
+            RegistryError::Unavailable(_) => true,
             _ => false,
         }
     }

@@ -127,17 +127,22 @@ pub fn check_snapshot(
     Ok(())
 }
 
+/// The shapes an identity may have (the RunSession schema's). They carry no braces, so
+/// the Redis hash tag `{server/component}` of the address's keys is always the whole
+/// address and every key of one identity is on one cluster slot.
+fn server_instance_id_ok(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+}
+
+fn component_kind_ok(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 63 && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+}
+
 fn check_hello(h: &Hello) -> Result<(), Invalid> {
-    let id_ok = !h.server_instance_id.is_empty()
-        && h.server_instance_id.len() <= 253
-        && h.server_instance_id.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c));
-    if !id_ok {
+    if !server_instance_id_ok(&h.server_instance_id) {
         return Err(Invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]".into()));
     }
-    let kind_ok = !h.component_kind.is_empty()
-        && h.component_kind.len() <= 63
-        && h.component_kind.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-');
-    if !kind_ok {
+    if !component_kind_ok(&h.component_kind) {
         return Err(Invalid("component_kind: a lowercase DNS label".into()));
     }
     if h.key_generation < 1 {
@@ -181,6 +186,11 @@ pub fn token_address(token: &str) -> Option<RunAddress> {
     }
     let route = String::from_utf8(URL_SAFE_NO_PAD.decode(route).ok()?).ok()?;
     let (server, component) = route.split_once('\n')?;
+    // The route is the caller's text until checked: a forged one (say `}x`) would name
+    // keys of two cluster slots and turn a 401 into a CROSSSLOT error (a 503).
+    if !server_instance_id_ok(server) || !component_kind_ok(component) {
+        return None;
+    }
     Some(RunAddress { server_instance_id: server.to_string(), component_kind: component.to_string() })
 }
 
@@ -306,6 +316,11 @@ mod tests {
         assert_eq!(token_address("Bearer something"), None);
         let forged = format!("{}x", a);
         assert_eq!(token_address(&forged), None);
+        // A route that is not an identity's shape names no keys at all.
+        for route in ["}x\nrun", "srv\n{run}", "\nrun", "srv\nRun"] {
+            let forged = format!("{TOKEN_PREFIX}.{}.{}", URL_SAFE_NO_PAD.encode(route), "a".repeat(43));
+            assert_eq!(token_address(&forged), None, "{route:?}");
+        }
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The runtime session registry's Redis side. Redis is required: there is no in-memory
 //! fallback, and an unreachable Redis is reported as such, never papered over.
 //!
-//! Keys of one Run identity share the hash tag `{server/component}`, and every change
-//! that touches more than one key is a single Lua script, so the scripts run unchanged on
-//! Redis Cluster:
+//! Keys of one Run identity share the hash tag `{server/component}` (identities are
+//! `[A-Za-z0-9._-]`, so no brace can move the tag), and every change that touches more
+//! than one key is a single Lua script on one slot, so the scripts run unchanged on a
+//! Redis Cluster (`PRISM_REDIS_MODE=cluster`). Nothing here lists keys (no SCAN/KEYS):
+//! every key is named from an identity Postgres knows.
 //! * `{prefix}:run:{srv/comp}:session` — hash, the live session; its TTL *is* the lease.
 //!   Its fields are strings; `target`, `capabilities` and `capacity` hold JSON, written
 //!   and read only here, so everything outside this module sees typed `Session`s.
@@ -14,11 +16,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use redis::Script;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use uuid::Uuid;
 
 use super::{RedisStep, RegistryError};
+use crate::config::RedisEndpoint;
 use crate::crd::RunTarget;
 
 /// Where a Run lives, and what its keys and jobs are addressed by: one server instance's
@@ -141,11 +146,131 @@ table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
 return fields
 "#;
 
+/// How long one request to a Redis node may take, and how long to wait for a connection.
+/// Short: a Run waiting on a dead Redis should get a 503 quickly, not hang.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// A cluster request as a whole, retries and MOVED/ASK redirections included: long enough
+/// to follow a slot map that changed under it, still a quick 503 while a slot has no
+/// master (its lease outlives that; SPEC §10).
+const CLUSTER_REQUEST_TIMEOUT: Duration = Duration::from_secs(4);
+/// The readiness probe's budget: /readyz must answer within the kubelet's default probe
+/// timeout (1 s) even while Redis hangs, reporting the registry unavailable rather than
+/// getting the whole replica marked unready.
+const PING_BUDGET: Duration = Duration::from_millis(800);
+const CLUSTER_SLOTS: u32 = 16384;
+
+/// CRC16/XMODEM, the checksum Redis Cluster maps keys to slots with.
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc = 0u16;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+    }
+    crc
+}
+
+/// A hash tag whose slot lies in `start..=end` (a few tries for a master's range; at most
+/// about 16384 x 20 for a single slot).
+fn tag_in_slots(start: u16, end: u16) -> Option<String> {
+    (0..200_000u32).map(|n| n.to_string()).find(|t| (start..=end).contains(&(crc16(t.as_bytes()) % 16384)))
+}
+
+/// The slot ranges of a `CLUSTER SLOTS` answer.
+fn slot_ranges(answer: &[Value]) -> Vec<(u16, u16)> {
+    let number = |v: &Value| match v {
+        Value::Int(n) => u16::try_from(*n).ok(),
+        _ => None,
+    };
+    answer
+        .iter()
+        .filter_map(|entry| match entry {
+            Value::Array(items) if items.len() >= 3 => Some((number(&items[0])?, number(&items[1])?)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The one connection to Redis, whichever kind. Both kinds connect lazily and reconnect
+/// by themselves; the cluster one also follows MOVED/ASK and refreshes its slot map when
+/// a master fails over. Both speak `ConnectionLike`, so every script and command of the
+/// store is written once.
+#[derive(Clone)]
+enum Connection {
+    Standalone(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    fn open(endpoint: &RedisEndpoint) -> Result<Self, RegistryError> {
+        match endpoint {
+            RedisEndpoint::Standalone(url) => {
+                let client = redis::Client::open(url.as_str()).step("parse REDIS_URL")?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                let conn = ConnectionManager::new_lazy_with_config(client, config).step("set up the connection")?;
+                Ok(Connection::Standalone(conn))
+            }
+            RedisEndpoint::Cluster(nodes) => {
+                let client = ClusterClient::builder(nodes.iter().map(String::as_str))
+                    .connection_timeout(RESPONSE_TIMEOUT)
+                    .response_timeout(RESPONSE_TIMEOUT)
+                    .overall_response_timeout(Some(CLUSTER_REQUEST_TIMEOUT))
+                    // Retries cover redirections and a reconnect to a promoted replica; the
+                    // default (16, up to minutes apart) would outlast any request.
+                    .retries(4)
+                    .min_retry_wait(100)
+                    .max_retry_wait(1000)
+                    .build()
+                    .step("parse the REDIS_URL seed nodes")?;
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(RESPONSE_TIMEOUT)
+                    .set_response_timeout(RESPONSE_TIMEOUT);
+                // Pending: the seed nodes are dialled in the background, so the operator
+                // starts (and reports the registry unavailable) while the cluster is down.
+                Ok(Connection::Cluster(client.get_pending_async_connection_with_config(config)))
+            }
+        }
+    }
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Connection::Standalone(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Standalone(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 /// The Redis side of the registry: a lazily connected, self-reconnecting connection,
 /// the key prefix every key of this operator lives under, and the scripts.
 #[derive(Clone)]
 pub struct SessionStore {
-    conn: ConnectionManager,
+    conn: Connection,
     prefix: String,
     hello: Script,
     check: Script,
@@ -217,17 +342,9 @@ fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> String {
 
 impl SessionStore {
     /// Does not connect: the operator starts (and reports "unavailable") while Redis is down.
-    pub fn new(url: &str, prefix: &str) -> Result<Self, RegistryError> {
-        let client = redis::Client::open(url).step("parse REDIS_URL")?;
-        // Short timeouts: a Run waiting on a dead Redis should get a 503 quickly, not hang.
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(2)))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, config).step("set up the connection")?;
+    pub fn new(endpoint: &RedisEndpoint, prefix: &str) -> Result<Self, RegistryError> {
         Ok(Self {
-            conn,
+            conn: Connection::open(endpoint)?,
             prefix: prefix.to_string(),
             hello: Script::new(HELLO),
             check: Script::new(CHECK),
@@ -244,10 +361,47 @@ impl SessionStore {
         format!("{}:run:{{{}/{}}}:{suffix}", self.prefix, a.server_instance_id, a.component_kind)
     }
 
-    /// Round trip to Redis, for readiness.
+    /// Round trip to Redis, for readiness and the redis-up metric, within `PING_BUDGET`.
     pub async fn ping(&self) -> Result<(), RegistryError> {
-        let mut conn = self.conn.clone();
-        let _: String = redis::cmd("PING").query_async(&mut conn).await.step("ping")?;
+        let probe = async {
+            match &self.conn {
+                Connection::Standalone(conn) => {
+                    let _: String = redis::cmd("PING").query_async(&mut conn.clone()).await.step("ping")?;
+                    Ok(())
+                }
+                Connection::Cluster(conn) => self.every_slot_answers(conn).await,
+            }
+        };
+        tokio::time::timeout(PING_BUDGET, probe).await.unwrap_or_else(|_| {
+            Err(RegistryError::Unavailable(format!("no answer within {} ms", PING_BUDGET.as_millis())))
+        })
+    }
+
+    /// A cluster is ready when every slot has a master that answers for it. PING is not
+    /// enough: the client sends it to the masters it holds connections to and drops a
+    /// dead master's, so a killed master would read as healthy until its replica takes
+    /// over (found by tests/redis_cluster.rs's kill -9). So: the slot map, then a keyed
+    /// read (EXISTS, writes nothing) into each master's range, routed as the scripts are.
+    async fn every_slot_answers(&self, conn: &ClusterConnection) -> Result<(), RegistryError> {
+        let answer: Vec<Value> =
+            redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn.clone()).await.step("read the slot map")?;
+        let ranges = slot_ranges(&answer);
+        let covered: u32 = ranges.iter().map(|(a, b)| u32::from(b.saturating_sub(*a)) + 1).sum();
+        if covered < CLUSTER_SLOTS {
+            return Err(RegistryError::Unavailable(format!(
+                "{} of {CLUSTER_SLOTS} cluster slots have no master",
+                CLUSTER_SLOTS - covered
+            )));
+        }
+        let probes = ranges.iter().filter_map(|(start, end)| {
+            let key = format!("{}:probe:{{{}}}", self.prefix, tag_in_slots(*start, *end)?);
+            let mut conn = conn.clone();
+            Some(async move {
+                let _: bool = redis::cmd("EXISTS").arg(key).query_async(&mut conn).await.step("reach every master")?;
+                Ok::<_, RegistryError>(())
+            })
+        });
+        futures::future::try_join_all(probes).await?;
         Ok(())
     }
 
@@ -373,6 +527,48 @@ mod tests {
         ("capacity", r#"{"slots":4}"#),
         ("ttl_ms", "20000"),
     ];
+
+    /// Redis Cluster's rule: the text between the first `{` and the next `}`, if not empty.
+    fn hash_tag(key: &str) -> Option<&str> {
+        let open = key.find('{')?;
+        let close = key[open + 1..].find('}')? + open + 1;
+        Some(&key[open + 1..close]).filter(|t| !t.is_empty())
+    }
+
+    #[test]
+    fn every_key_of_one_identity_is_on_the_slot_of_its_address() {
+        let endpoint = RedisEndpoint::Standalone("redis://127.0.0.1:1".into());
+        let store = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(async { SessionStore::new(&endpoint, "prism-a.b_c").expect("store") });
+        let a = RunAddress { server_instance_id: "srv-eu1.7".into(), component_kind: "run".into() };
+        let (session, retired) = store.session_keys(&a);
+        let nonce = store.key(&a, "nonce:AbC_-{x}0123456789");
+        for key in [&session, &retired, &nonce] {
+            assert_eq!(hash_tag(key), Some("srv-eu1.7/run"), "{key}");
+        }
+        assert_eq!(session, "prism-a.b_c:run:{srv-eu1.7/run}:session");
+    }
+
+    #[test]
+    fn slots_are_computed_as_redis_computes_them() {
+        // Answers of CLUSTER KEYSLOT on Redis 7.
+        for (key, slot) in [("123456789", 12739), ("foo", 12182), ("somekey", 11058), ("hello", 866)] {
+            assert_eq!(crc16(key.as_bytes()) % 16384, slot, "{key}");
+        }
+        for (start, end) in [(0, 5460), (5461, 10922), (10923, 16383), (777, 777), (16383, 16383)] {
+            let tag = tag_in_slots(start, end).expect("a tag");
+            assert!((start..=end).contains(&(crc16(tag.as_bytes()) % 16384)), "{tag} for {start}-{end}");
+        }
+        let answer = vec![
+            Value::Array(vec![Value::Int(0), Value::Int(5460), Value::Array(vec![])]),
+            Value::Array(vec![Value::Int(5461), Value::Int(16383), Value::Array(vec![]), Value::Array(vec![])]),
+            Value::Nil,
+        ];
+        assert_eq!(slot_ranges(&answer), [(0, 5460), (5461, 16383)]);
+    }
 
     #[test]
     fn a_stored_session_reads_as_typed_fields() {

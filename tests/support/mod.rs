@@ -245,10 +245,48 @@ pub fn admin_database_url() -> String {
     })
 }
 
+/// Whether the operators of this run use the local Redis Cluster: `PRISM_TEST_REDIS=cluster`
+/// (scripts/test's second pass) runs the suites with PRISM_REDIS_MODE=cluster against
+/// REDIS_CLUSTER_URL; otherwise they use the standalone REDIS_URL.
+pub fn redis_cluster_mode() -> bool {
+    std::env::var("PRISM_TEST_REDIS").as_deref() == Ok("cluster")
+}
+
+/// PRISM_REDIS_MODE for the operators of this run.
+pub fn redis_mode() -> &'static str {
+    if redis_cluster_mode() { "cluster" } else { "standalone" }
+}
+
+/// REDIS_URL for the operators of this run (the cluster's seed nodes in cluster mode).
 pub fn redis_url() -> String {
+    if redis_cluster_mode() {
+        return redis_cluster_url();
+    }
     std::env::var("REDIS_URL").unwrap_or_else(|_| {
         panic!("REDIS_URL is not set: run tests through scripts/test, or eval \"$(scripts/services)\"")
     })
+}
+
+/// The seed nodes of scripts/services' local Redis Cluster.
+pub fn redis_cluster_url() -> String {
+    std::env::var("REDIS_CLUSTER_URL").unwrap_or_else(|_| {
+        panic!("REDIS_CLUSTER_URL is not set: run tests through scripts/test, or eval \"$(scripts/services)\"")
+    })
+}
+
+/// `redis-cli -p port args…` on loopback; its stdout (RESP errors included, as text).
+pub fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli (scripts/services installs it)");
+    String::from_utf8_lossy(&out.stdout).replace('\r', "")
+}
+
+/// A `key:value` line of `INFO` or `CLUSTER INFO` output.
+pub fn info_field(info: &str, field: &str) -> Option<String> {
+    info.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':').map(|v| v.trim().to_string()))
 }
 
 /// A database of the test's own, migrated; dropped when the value is dropped.
@@ -391,6 +429,7 @@ impl Operator {
                 .arg("run")
                 .env("DATABASE_URL", database_url)
                 .env("REDIS_URL", redis_url())
+                .env("PRISM_REDIS_MODE", redis_mode())
                 .env("PRISM_REDIS_PREFIX", redis_prefix())
                 .env("KUBECONFIG", &cp.operator_kubeconfig)
                 .env("POD_NAMESPACE", OPERATOR_NAMESPACE)
@@ -438,6 +477,11 @@ impl Operator {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// How the process ended, if it has (a test that expects it to carry on checks None).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("operator status")
     }
 
     pub fn logs(&self) -> String {
@@ -674,52 +718,119 @@ fn nix_is_root() -> bool {
     Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
 }
 
-/// A redis-server of the test's own on a loopback port, to stop, start and flush.
+/// A Redis of the test's own on loopback, to stop, start and flush: one redis-server, or
+/// in cluster mode (`redis_cluster_mode`) a Redis Cluster of three masters, each on a
+/// port and a bus port of its own (`cluster-port`: the default, port + 10000, may fall
+/// in the ephemeral range where connect() takes ports).
 pub struct PrivateRedis {
-    pub port: u16,
+    /// The operator's REDIS_URL: the server, or the cluster's seed nodes.
     pub url: String,
+    nodes: Vec<PrivateNode>,
+    dir: PathBuf,
+    cluster: bool,
+}
+
+struct PrivateNode {
+    port: u16,
+    bus: u16,
     child: Option<Child>,
 }
 
 impl PrivateRedis {
     pub fn start() -> PrivateRedis {
-        let port = free_port();
-        let mut r = PrivateRedis { port, url: format!("redis://127.0.0.1:{port}"), child: None };
-        r.up();
+        let cluster = redis_cluster_mode();
+        let count = if cluster { 3 } else { 1 };
+        let nodes: Vec<PrivateNode> =
+            (0..count).map(|_| PrivateNode { port: free_port(), bus: free_port(), child: None }).collect();
+        let url = nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",");
+        let dir = std::env::temp_dir().join(format!("prism-redis-{}", uuid::Uuid::new_v4().simple()));
+        let mut r = PrivateRedis { url, nodes, dir, cluster };
+        r.spawn();
+        if cluster {
+            let addrs: Vec<String> = r.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+            let out = Command::new("redis-cli")
+                .args(["--cluster", "create"])
+                .args(&addrs)
+                .args(["--cluster-replicas", "0", "--cluster-yes"])
+                .output()
+                .expect("redis-cli --cluster create");
+            assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
+            r.wait_cluster_ok();
+        }
         r
     }
 
-    pub fn up(&mut self) {
-        let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server (scripts/services installs it)");
-        self.child = Some(child);
+    fn spawn(&mut self) {
+        for n in &mut self.nodes {
+            let dir = self.dir.join(n.port.to_string());
+            std::fs::create_dir_all(&dir).expect("redis dir");
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--port", &n.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(["--dir", dir.to_str().expect("utf-8")]);
+            if self.cluster {
+                // nodes.conf (in --dir) keeps the slots: a restarted node rejoins its cluster.
+                cmd.args(["--cluster-enabled", "yes", "--cluster-port", &n.bus.to_string()]).args([
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-require-full-coverage",
+                    "no",
+                ]);
+            }
+            n.child = Some(cmd.stdout(Stdio::null()).spawn().expect("redis-server (scripts/services installs it)"));
+        }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(std::time::Instant::now() < deadline, "redis-server did not start");
-            std::thread::sleep(std::time::Duration::from_millis(50));
+        for n in &self.nodes {
+            while std::net::TcpStream::connect(("127.0.0.1", n.port)).is_err() {
+                assert!(std::time::Instant::now() < deadline, "redis-server did not start on port {}", n.port);
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }
+    }
+
+    /// Every node of the private cluster says `cluster_state:ok`.
+    fn wait_cluster_ok(&self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        for n in &self.nodes {
+            loop {
+                let info = redis_cli(n.port, &["CLUSTER", "INFO"]);
+                if info_field(&info, "cluster_state").as_deref() == Some("ok") {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "private Redis Cluster not ok: {info}");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+    }
+
+    pub fn up(&mut self) {
+        self.spawn();
+        if self.cluster {
+            self.wait_cluster_ok();
         }
     }
 
     pub fn down(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        for n in &mut self.nodes {
+            if let Some(mut c) = n.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
         }
     }
 
+    /// Every node loses its data (on a cluster FLUSHALL is per node).
     pub fn flushall(&self) {
-        let ok =
-            Command::new("redis-cli").args(["-p", &self.port.to_string(), "FLUSHALL"]).output().expect("redis-cli");
-        assert!(ok.status.success());
+        for n in &self.nodes {
+            let out = redis_cli(n.port, &["FLUSHALL"]);
+            assert_eq!(out.trim(), "OK", "FLUSHALL on port {}", n.port);
+        }
     }
 }
 
 impl Drop for PrivateRedis {
     fn drop(&mut self) {
         self.down();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
