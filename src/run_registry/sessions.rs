@@ -159,16 +159,10 @@ const CLUSTER_REQUEST_TIMEOUT: Duration = Duration::from_secs(4);
 const PING_BUDGET: Duration = Duration::from_millis(800);
 const CLUSTER_SLOTS: u32 = 16384;
 
-/// CRC16/XMODEM, the checksum Redis Cluster maps keys to slots with.
+/// CRC16/XMODEM, the checksum Redis Cluster maps keys to slots with (the crate the
+/// redis client itself uses for routing).
 fn crc16(data: &[u8]) -> u16 {
-    let mut crc = 0u16;
-    for &byte in data {
-        crc ^= u16::from(byte) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
-        }
-    }
-    crc
+    crc16::State::<crc16::XMODEM>::calculate(data)
 }
 
 /// A hash tag whose slot lies in `start..=end` (a few tries for a master's range; at most
