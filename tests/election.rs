@@ -159,15 +159,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
     let http = support::http();
     let register = |project: &'static str, session: &'static str, surface: &'static str| {
-        let req = http
-            .post(op.url("/api/v1/controller/register"))
-            .bearer_auth(&token)
-            .json(&json!({"namespace": ns, "project_id": project, "session_id": session, "agent_surface": surface}));
-        async move {
-            let r = req.send().await.expect("register");
-            assert_eq!(r.status(), 200);
-            r.json::<Value>().await.expect("json")
-        }
+        support::register(&op, &token, &ns, project, session, surface)
     };
 
     let first = register("PID-A", "sess-1", "claude_code").await;

@@ -6,7 +6,6 @@
 
 mod support;
 
-use serde_json::{Value, json};
 use support::{Operator, TestDb, control_plane};
 
 /// Runs the checker; returns (exit success, stdout).
@@ -34,17 +33,10 @@ async fn the_checker_passes_a_real_history_and_names_a_forged_row() {
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
-    let http = support::http();
     let register = |project: &str, session: &str, surface: &str| {
-        let req = http
-            .post(op.url("/api/v1/controller/register"))
-            .bearer_auth(&token)
-            .json(&json!({"namespace": ns, "project_id": project, "session_id": session, "agent_surface": surface}));
-        async move {
-            let r = req.send().await.expect("register");
-            assert_eq!(r.status(), 200);
-            r.json::<Value>().await.expect("json")
-        }
+        let (project, session, surface) = (project.to_string(), session.to_string(), surface.to_string());
+        let (op, token, ns) = (&op, &token, &ns);
+        async move { support::register(op, token, ns, &project, &session, &surface).await }
     };
     // Per project: a master, a peer, a desktop preempting, a second desktop (a peer), the
     // master desktop moving to another project (context switch: the second desktop is

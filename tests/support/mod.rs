@@ -839,3 +839,24 @@ pub fn http() -> reqwest::Client {
     prism_operator::install_crypto_provider();
     reqwest::Client::new()
 }
+
+/// `POST /api/v1/controller/register` as an agent with `token`; asserts 200 and returns the
+/// answer.
+pub async fn register(
+    op: &Operator,
+    token: &str,
+    ns: &str,
+    project: &str,
+    session: &str,
+    surface: &str,
+) -> serde_json::Value {
+    let r = http()
+        .post(op.url("/api/v1/controller/register"))
+        .bearer_auth(token)
+        .json(&serde_json::json!({"namespace": ns, "project_id": project, "session_id": session, "agent_surface": surface}))
+        .send()
+        .await
+        .expect("register");
+    assert_eq!(r.status(), 200, "register {session} on {project}");
+    r.json().await.expect("json")
+}
