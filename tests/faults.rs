@@ -1,8 +1,10 @@
-//! Postgres faults under load (SPEC §10): the operator's backends are killed
-//! (`pg_terminate_backend`) again and again while agents register, preempt and switch
-//! projects over HTTP. Afterwards the independent checker (tests/faults/check_invariants.py)
-//! finds every invariant holding, every registration the API acknowledged is in the
-//! database, and the same operator process answers again without a restart.
+//! Faults under load (SPEC §10): the operator's Postgres backends are killed
+//! (`pg_terminate_backend`) again and again, Postgres is restarted, and the leader of two
+//! operator replicas is killed (SIGKILL), while agents register, preempt and switch
+//! projects over HTTP and a Run claims jobs. Afterwards the independent checker
+//! (tests/faults/check_invariants.py) finds every invariant holding, every registration the
+//! API acknowledged is in the database, and an operator process answers again without a
+//! restart.
 
 mod support;
 
@@ -37,26 +39,37 @@ type Refused = std::collections::BTreeMap<u16, u64>;
 /// switches). Returns the (session, project) pairs the API acknowledged and the refusals
 /// by status.
 async fn storm(op: &Operator, token: &str, ns: &str, seed: u64) -> (Acknowledged, Refused) {
+    storm_over(std::slice::from_ref(&op.base), token, ns, seed).await
+}
+
+/// The storm against several replicas: worker `w` starts on replica `w % n`; a replica
+/// that does not answer at all (killed) counts as status 0, and the worker moves to the
+/// next one, as a Service would send it.
+async fn storm_over(bases: &[String], token: &str, ns: &str, seed: u64) -> (Acknowledged, Refused) {
     let http = support::http();
     let mut workers = Vec::new();
     for w in 0..WORKERS {
-        let (http, url, token, ns) =
-            (http.clone(), op.url("/api/v1/controller/register"), token.to_string(), ns.to_string());
+        let (http, bases, token, ns) = (http.clone(), bases.to_vec(), token.to_string(), ns.to_string());
         workers.push(tokio::spawn(async move {
             let mut rng = Lcg(seed ^ (w + 1).wrapping_mul(0x9E3779B97F4A7C15));
             let mut acknowledged = Vec::new();
             let mut refused = Refused::new();
+            let mut replica = w as usize % bases.len();
             for i in 0..CALLS_PER_WORKER {
                 let session = format!("s-{w}-{}", i / 8); // a session lives for 8 calls
                 let project = format!("PID-PGF-{}", rng.next(PROJECTS));
                 let surface = SURFACES[rng.next(SURFACES.len() as u64) as usize];
-                let r = http
-                    .post(&url)
+                let sent = http
+                    .post(format!("{}/api/v1/controller/register", bases[replica]))
                     .bearer_auth(&token)
                     .json(&json!({"namespace": ns, "project_id": project, "session_id": session, "agent_surface": surface}))
                     .send()
-                    .await
-                    .expect("the operator answers (it is not restarted)");
+                    .await;
+                let Ok(r) = sent else {
+                    *refused.entry(0).or_default() += 1;
+                    replica = (replica + 1) % bases.len();
+                    continue;
+                };
                 let status = r.status().as_u16();
                 if status == 200 {
                     acknowledged.push((session, project));
@@ -271,9 +284,7 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         for job in jobs {
-            match run
-                .step(&job.id, "complete", Some(json!({"outcome": "succeeded", "result": {"by": "pg_faults"}})))
-                .await
+            match run.step(&job.id, "complete", Some(json!({"outcome": "succeeded", "result": {"by": "faults"}}))).await
             {
                 Ok(_) => {
                     completions.push(job.id.to_string());
@@ -341,4 +352,58 @@ async fn a_postgres_restart_mid_storm_leaves_no_half_applied_change() {
     println!("seed {seed}: {} registrations acknowledged, refused {refused:?}, one restart", acknowledged.len());
     assert!(refused.keys().all(|s| *s == 503), "calls refused during the outage are 503, not {refused:?}");
     after_the_storm(&op, &token, &ns, &pg.url, &acknowledged, &format!("a restart (seed {seed})")).await;
+}
+
+/// The leader of two replicas killed (SIGKILL) in the middle of the storm, which both
+/// replicas serve: calls to the dead one fail to connect and go to the other; the other
+/// takes the Lease; afterwards everything holds as after the Postgres faults.
+#[tokio::test]
+async fn the_leader_killed_mid_storm_leaves_no_half_applied_change() {
+    use k8s_openapi::api::coordination::v1::Lease;
+
+    let seed: u64 = std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130);
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "leaderkill").await;
+    let db = TestDb::new().await;
+    let start = |pod: &'static str| {
+        let (db_url, ns) = (db.url.clone(), ns.clone());
+        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
+    };
+    let mut replicas = [Some(start("faults-a").await), Some(start("faults-b").await)];
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let leases: kube::Api<Lease> = kube::Api::namespaced(client.clone(), support::OPERATOR_NAMESPACE);
+    let holder = || async {
+        leases
+            .get_opt("prism-operator-leader")
+            .await
+            .ok()
+            .flatten()
+            .and_then(|l| l.spec)
+            .and_then(|s| s.holder_identity)
+    };
+    let first = support::eventually(30, "a replica holds the Lease", || async { holder().await }).await;
+    let leader = if first == "faults-a" { 0 } else { 1 };
+    let bases: Vec<String> = replicas.iter().flatten().map(|op| op.base.clone()).collect();
+
+    let killer = {
+        let victim = replicas[leader].take();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            drop(victim); // Operator's drop is SIGKILL: no shutdown, no Lease release
+        })
+    };
+    let (acknowledged, refused) = storm_over(&bases, &token, &ns, seed).await;
+    killer.await.expect("killer");
+    let survivor = replicas.iter().flatten().next().expect("the other replica");
+    let second = support::eventually(60, "the other replica holds the Lease", || async {
+        holder().await.filter(|h| *h != first)
+    })
+    .await;
+    println!(
+        "seed {seed}: leader {first} killed, {second} took over; {} registrations acknowledged, refused {refused:?}",
+        acknowledged.len()
+    );
+    assert!(refused.keys().all(|s| *s == 0 || *s == 503), "only the dead replica's connections failed: {refused:?}");
+    after_the_storm(survivor, &token, &ns, &db.url, &acknowledged, &format!("the leader killed (seed {seed})")).await;
 }
