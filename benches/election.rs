@@ -174,14 +174,7 @@ async fn bench_heartbeats(cp: &'static support::ControlPlane, client: &kube::Cli
     let http = support::http();
     let mut ids = Vec::new();
     for i in 0..CONCURRENCY {
-        let r = http
-            .post(op.url("/api/v1/controller/register"))
-            .bearer_auth(&token)
-            .json(&json!({"namespace": ns, "project_id": "HB", "session_id": format!("hb-{i}"), "agent_surface": "claude_code"}))
-            .send()
-            .await
-            .expect("register");
-        let body: serde_json::Value = r.json().await.expect("json");
+        let body = support::register(&op, &token, &ns, "HB", &format!("hb-{i}"), "claude_code").await;
         ids.push(Uuid::parse_str(body["registration"]["id"].as_str().expect("id")).expect("uuid"));
     }
     let (h, base, tok, ns2) = (http.clone(), op.base.clone(), token.clone(), ns.clone());

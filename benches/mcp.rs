@@ -111,14 +111,7 @@ async fn main() {
 
     // One registered session per client, as the HTTP benchmark (election (b)) has.
     for i in 0..CONCURRENCY {
-        let r = http
-            .post(op.url("/api/v1/controller/register"))
-            .bearer_auth(&token)
-            .json(&json!({"namespace": ns, "project_id": "HB", "session_id": format!("hb-{i}"), "agent_surface": "claude_code"}))
-            .send()
-            .await
-            .expect("register");
-        assert!(r.status().is_success(), "register: {}", r.status());
+        support::register(&op, &token, &ns, "HB", &format!("hb-{i}"), "claude_code").await;
     }
     // The session-based generation: one MCP session per client, initialized once.
     let mut sessions = Vec::new();
