@@ -34,40 +34,45 @@ JOB_STATES = {"queued", "claimed", "running", "succeeded", "failed", "cancelled"
 FINISHED = {"succeeded", "failed", "cancelled"}
 
 
-def rows(url: str, sql: str) -> list[list[str]]:
-    """Tab-separated rows of a query; NULL comes back as the empty string."""
+SPLIT = "@@prism-checker-split@@"
+
+
+def snapshot(url: str, queries: list[str]) -> list[list[list[str]]]:
+    """Tab-separated rows of each query, all read in one REPEATABLE READ transaction: the
+    tables are compared with each other, so they must be one instant's (the operator may
+    still be writing). NULL comes back as the empty string."""
+    script = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY;\n"
+    script += f"\\echo {SPLIT}\n".join(q.rstrip(";") + ";\n" for q in queries) + "COMMIT;\n"
     out = subprocess.run(
-        ["psql", url, "-XAtq", "-v", "ON_ERROR_STOP=1", "-F", "\t", "-c", sql],
+        ["psql", url, "-XAtq", "-v", "ON_ERROR_STOP=1", "-F", "\t"],
+        input=script,
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    return [line.split("\t") for line in out.splitlines() if line]
+    parts = out.split(SPLIT + "\n")
+    return [[line.split("\t") for line in part.splitlines() if line] for part in parts]
 
 
 def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, int]:
     like = prefix.replace("\\", "\\\\").replace("_", "\\_").replace("%", "\\%") + "%"
     quoted = like.replace("'", "''")
-    history = collections.defaultdict(list)
-    for ns, project, event_id, term, master, previous, cause in rows(
+    events, project_rows, master_rows = snapshot(
         url,
-        "SELECT namespace, project_id, id, term, master_id, previous_master_id, cause "
-        f"FROM controller_election_events WHERE namespace LIKE '{quoted}' ORDER BY namespace, project_id, id",
-    ):
-        history[(ns, project)].append((int(event_id), int(term), master, previous, cause))
-    projects = {
-        (ns, project): (int(term), master)
-        for ns, project, term, master in rows(
-            url,
+        [
+            "SELECT namespace, project_id, id, term, master_id, previous_master_id, cause "
+            f"FROM controller_election_events WHERE namespace LIKE '{quoted}' ORDER BY namespace, project_id, id",
             f"SELECT namespace, project_id, term, master_id FROM controller_projects WHERE namespace LIKE '{quoted}'",
-        )
-    }
+            "SELECT namespace, project_id, id, master_term FROM controller_registrations "
+            f"WHERE is_master AND released_at IS NULL AND namespace LIKE '{quoted}'",
+        ],
+    )
+    history = collections.defaultdict(list)
+    for ns, project, event_id, term, master, previous, cause in events:
+        history[(ns, project)].append((int(event_id), int(term), master, previous, cause))
+    projects = {(ns, project): (int(term), master) for ns, project, term, master in project_rows}
     live_masters = collections.defaultdict(list)
-    for ns, project, reg_id, master_term in rows(
-        url,
-        "SELECT namespace, project_id, id, master_term FROM controller_registrations "
-        f"WHERE is_master AND released_at IS NULL AND namespace LIKE '{quoted}'",
-    ):
+    for ns, project, reg_id, master_term in master_rows:
         live_masters[(ns, project)].append((reg_id, int(master_term) if master_term else None))
 
     changes = 0
@@ -106,7 +111,8 @@ def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, i
 def check_jobs(url: str, completions: str | None, violations: list[str]) -> dict[str, int]:
     states = collections.Counter()
     state_of = {}
-    for job_id, state, completed_at in rows(url, "SELECT id, state, completed_at FROM runtime_jobs"):
+    (jobs,) = snapshot(url, ["SELECT id, state, completed_at FROM runtime_jobs"])
+    for job_id, state, completed_at in jobs:
         states[state] += 1
         state_of[job_id] = state
         if state not in JOB_STATES:
