@@ -18,6 +18,7 @@ use crate::crd::{
     AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, REGISTRATION_FINALIZER,
     ReleaseReason, Role, is_label_value,
 };
+use crate::db::{MaybeUnavailable, retry_unavailable};
 use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
 use crate::election::{
     ElectionError, ElectionStore, LiveRole, NewRegistration, OwnedRegistration, RegisterOutcome, Registration,
@@ -126,6 +127,11 @@ impl From<&LiveRole> for HeartbeatReply {
 }
 
 /// How far back the routing table lists registrations released by the stale sweep.
+/// How long an API call keeps retrying an idempotent change while Postgres is out of
+/// reach (a killed backend, a restart) before it answers 503: long enough for a restart,
+/// well under a client's timeout.
+const DATABASE_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
+
 pub const STALE_WINDOW: chrono::TimeDelta = chrono::TimeDelta::hours(24);
 
 /// Heartbeat answers given in the last coalescing window, per (namespace, session): a
@@ -229,13 +235,26 @@ impl AgentService {
             session_id: session_id.to_string(),
             surface,
         };
-        let outcome = self.store.register_owned(&new, Some(caller)).await;
+        // Registering a resource is idempotent (by its uid): a killed backend or a short
+        // restart is retried here rather than surfaced.
+        let outcome = retry_unavailable(DATABASE_RETRY, || self.store.register_owned(&new, Some(caller))).await;
         let existing = match outcome {
             Ok(RegisterOutcome::Registered(row)) => return self.registered(row).await,
             // A concurrent call registered the same session first: that one stands, if it
             // is the caller's.
             Ok(RegisterOutcome::DuplicateSession { existing }) => Ok(existing),
             Err(ElectionError::NotOwned(s)) => Err(AgentError::NotOwned(s)),
+            // Postgres stayed away: whether this call changed anything cannot be told (a
+            // commit whose answer was lost; a context switch that left the old project
+            // before the new election failed). The resource stays, as the request's intent:
+            // the reconciler registers it once Postgres is back, and the caller's retry
+            // finds it. Deleting it here would release a row that may exist, leaving the
+            // session on no project at all.
+            Err(e) if e.is_unavailable() => {
+                warn!(namespace, name = %new.name, session_id, error = %e,
+                      "register: Postgres unavailable; the reconciler completes this registration");
+                return Err(e.into());
+            }
             Err(e) => Err(e.into()),
         };
         // This resource is not used: its finalizer would only release a row never written.
@@ -269,7 +288,8 @@ impl AgentService {
     pub async fn release(&self, row: &OwnedRegistration, caller: &str) -> Result<RoutingTable, AgentError> {
         check_owner(row, caller)?;
         let row = &row.row;
-        self.store.release(row.id, ReleaseReason::Wrapped).await?;
+        // Releasing a row is idempotent: retried through a short Postgres outage.
+        retry_unavailable(DATABASE_RETRY, || self.store.release(row.id, ReleaseReason::Wrapped)).await?;
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), &row.namespace);
         match api.delete(&row.name, &DeleteParams::default()).await {
             Ok(_) => {}

@@ -115,6 +115,40 @@ pub struct UnknownValue {
     pub value: String,
 }
 
+/// An error that may say no more than "Postgres could not be reached just now".
+pub trait MaybeUnavailable {
+    fn is_unavailable(&self) -> bool;
+}
+
+impl MaybeUnavailable for QueryError {
+    fn is_unavailable(&self) -> bool {
+        QueryError::is_unavailable(self)
+    }
+}
+
+/// Runs `op` again, with a growing pause, while it fails only because Postgres is out of
+/// reach (a killed backend, a restart, a failover behind the same address) and `budget`
+/// lasts; returns its last result. For idempotent operations only: a failure can hide a
+/// commit whose answer was lost, and the next attempt must find it done.
+pub async fn retry_unavailable<T, E, F, Fut>(budget: std::time::Duration, mut op: F) -> Result<T, E>
+where
+    E: MaybeUnavailable,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = tokio::time::Instant::now() + budget;
+    let mut pause = std::time::Duration::from_millis(50);
+    loop {
+        match op().await {
+            Err(e) if e.is_unavailable() && tokio::time::Instant::now() + pause < deadline => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(1));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// A failed statement, with the step it was part of (`register: insert registration`).
 #[derive(Debug, thiserror::Error)]
 #[error("{step}: {source}")]

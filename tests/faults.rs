@@ -9,27 +9,18 @@
 mod support;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
+use support::faults::{self, Lcg, backend_killer};
 use support::{Operator, TestDb, control_plane};
 
 const WORKERS: u64 = 8;
 const CALLS_PER_WORKER: u64 = 40;
 const PROJECTS: u64 = 6;
 const SURFACES: [&str; 4] = ["claude_code", "codex", "cursor", "claude_desktop"];
-
-/// A small deterministic generator: the same seed gives the same storm.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self, below: u64) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (self.0 >> 33) % below
-    }
-}
 
 type Acknowledged = Vec<(String, String)>;
 type Refused = std::collections::BTreeMap<u16, u64>;
@@ -136,34 +127,9 @@ async fn after_the_storm(op: &Operator, token: &str, ns: &str, db_url: &str, ack
     assert!(out.status.success(), "invariants after {what}:\n{stdout}{}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// Ends every backend of database `name` each `every` until `stop` is set; counts them.
-/// It works from the admin database: its own connection is not among those it ends.
-async fn backend_killer(name: &str, every: Duration) -> (Arc<AtomicBool>, Arc<AtomicU64>, tokio::task::JoinHandle<()>) {
-    let admin = PgPoolOptions::new().max_connections(1).connect(&support::admin_database_url()).await.expect("admin");
-    let stop = Arc::new(AtomicBool::new(false));
-    let killed = Arc::new(AtomicU64::new(0));
-    let handle = {
-        let (stop, killed, name) = (stop.clone(), killed.clone(), name.to_string());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-                )
-                .bind(&name)
-                .fetch_one(&admin)
-                .await
-                .unwrap_or(0);
-                killed.fetch_add(n as u64, Ordering::Relaxed);
-                tokio::time::sleep(every).await;
-            }
-        })
-    };
-    (stop, killed, handle)
-}
-
 #[tokio::test]
 async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
-    let seed: u64 = std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130);
+    let seed = faults::seed();
     let cp = control_plane();
     let client = cp.client().await;
     let ns = support::namespace(&client, "pgfaults").await;
@@ -171,7 +137,8 @@ async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
 
-    let (stop, killed, killer) = backend_killer(&db.name, Duration::from_millis(150)).await;
+    let (stop, killed, killer) =
+        backend_killer(&support::admin_database_url(), &db.name, Duration::from_millis(150)).await;
 
     let (acknowledged, refused) = storm(&op, &token, &ns, seed).await;
     stop.store(true, Ordering::Relaxed);
@@ -251,7 +218,8 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
     let mut run = RunClient::new(&op.base, "srv-pgf", "run", 1, key);
     run.hello().await.expect("hello");
 
-    let (stop, killed, killer) = backend_killer(&db.name, Duration::from_millis(30)).await;
+    let (stop, killed, killer) =
+        backend_killer(&support::admin_database_url(), &db.name, Duration::from_millis(30)).await;
 
     // The Run claims and completes until every job is done; the faults stop after 8 s.
     let started = std::time::Instant::now();
@@ -331,7 +299,7 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
 /// (503) as a whole, and afterwards everything holds as after backend kills.
 #[tokio::test]
 async fn a_postgres_restart_mid_storm_leaves_no_half_applied_change() {
-    let seed: u64 = std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130);
+    let seed = faults::seed();
     let cp = control_plane();
     let client = cp.client().await;
     let ns = support::namespace(&client, "pgrestart-storm").await;
@@ -361,7 +329,7 @@ async fn a_postgres_restart_mid_storm_leaves_no_half_applied_change() {
 async fn the_leader_killed_mid_storm_leaves_no_half_applied_change() {
     use k8s_openapi::api::coordination::v1::Lease;
 
-    let seed: u64 = std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130);
+    let seed = faults::seed();
     let cp = control_plane();
     let client = cp.client().await;
     let ns = support::namespace(&client, "leaderkill").await;

@@ -88,3 +88,34 @@ async fn the_checker_passes_a_real_history_and_names_a_forged_row() {
     let _ = std::fs::remove_file(&file);
     assert!(!ok && out.contains("job job-a: acknowledged as completed 2 times"), "{out}");
 }
+
+/// The durable rows a Redis fault must leave alone: saved before, compared after; a row
+/// that changed is named with both versions, an unchanged set passes.
+#[tokio::test]
+async fn the_checker_names_a_durable_row_that_changed() {
+    let db = TestDb::new().await;
+    let insert = "INSERT INTO run_identities (id, namespace, name, server_instance_id, component_kind, public_key, key_generation)
+                  VALUES ($1, 'ns-durable', $2, $2, 'run', 'AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=', 1)";
+    let ids = [uuid::Uuid::new_v4(), uuid::Uuid::new_v4()];
+    for (i, id) in ids.iter().enumerate() {
+        sqlx::query(insert).bind(id).bind(format!("srv-durable-{i}")).execute(&db.pool).await.expect("insert");
+    }
+    let file = std::env::temp_dir().join(format!("prism-durable-{}", uuid::Uuid::new_v4().simple()));
+    let file = file.to_str().expect("utf-8").to_string();
+    let (ok, out) = check(&db.url, &["--save-durable", &file]);
+    assert!(ok && out.contains("saved 2 durable rows"), "{out}");
+    let (ok, out) = check(&db.url, &["--durable-before", &file]);
+    assert!(ok && out.contains("durable rows compared 2"), "unchanged rows pass:\n{out}");
+
+    sqlx::query("UPDATE run_identities SET updated_at = now() + interval '1 second' WHERE id = $1")
+        .bind(ids[1])
+        .execute(&db.pool)
+        .await
+        .expect("touch a row");
+    let (ok, out) = check(&db.url, &["--durable-before", &file]);
+    let _ = std::fs::remove_file(&file);
+    assert!(!ok, "a changed row is a violation:\n{out}");
+    let line = out.lines().find(|l| l.starts_with("VIOLATION")).unwrap_or_default();
+    assert!(line.contains(&format!("run_identities {} changed", ids[1])), "{out}");
+    assert_eq!(out.lines().filter(|l| l.starts_with("VIOLATION")).count(), 1, "only that row: {out}");
+}

@@ -7,8 +7,6 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use kube::Api;
@@ -18,21 +16,9 @@ use support::{Operator, TestDb, control_plane, eventually};
 
 const MODES: [&str; 2] = ["legacy", "modern"];
 
-/// The virtualenv python with the pinned SDK (installed on first use).
-fn python() -> &'static PathBuf {
-    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
-    PYTHON.get_or_init(|| {
-        let out = std::process::Command::new(support::repo_root().join("scripts/mcp-sdk"))
-            .output()
-            .expect("run scripts/mcp-sdk");
-        assert!(out.status.success(), "scripts/mcp-sdk failed: {}", String::from_utf8_lossy(&out.stderr));
-        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-    })
-}
-
 /// Runs one scenario of tests/mcp/scenarios.py and returns what it printed.
 async fn scenario(name: &str, mode: &str, url: &str, token: &str, extra: &[(&str, &str)]) -> Value {
-    let python = python().clone();
+    let python = support::mcp_python().clone();
     let mut cmd = tokio::process::Command::new(python);
     cmd.arg(support::repo_root().join("tests/mcp/scenarios.py"))
         .args([name, "--mode", mode, "--url", url, "--token", token])

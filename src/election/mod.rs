@@ -26,6 +26,12 @@ pub enum ElectionError {
     Contended(&'static str),
 }
 
+impl crate::db::MaybeUnavailable for ElectionError {
+    fn is_unavailable(&self) -> bool {
+        matches!(self, ElectionError::Database(e) if e.is_unavailable())
+    }
+}
+
 impl ElectionError {
     /// A race lost to a concurrent transaction: the whole operation may be retried.
     pub fn is_race(&self) -> bool {

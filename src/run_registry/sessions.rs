@@ -13,13 +13,14 @@
 //! * `{prefix}:run:{srv/comp}:nonce:{nonce}` — replay guard for hello nonces.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Script, Value};
 use uuid::Uuid;
 
 use super::{RedisStep, RegistryError};
@@ -193,7 +194,85 @@ fn slot_ranges(answer: &[Value]) -> Vec<(u16, u16)> {
 #[derive(Clone)]
 enum Connection {
     Standalone(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(ClusterHandle),
+}
+
+/// The cluster connection, and the client to make a new one with.
+///
+/// redis 1.8's async cluster client can stay broken after every node was away at once (a
+/// restart of the whole cluster): its recovery refreshes the slot map over an empty
+/// connection map, fails with `ClusterConnectionNotFound` and tries again at once,
+/// forever, instead of dialling the seed nodes again: a busy loop, an error log line per
+/// try, and every request refused (found by the fault harness, tests/soak.rs: a Redis
+/// restart after failovers left one replica's registry down for good while the others
+/// recovered). So a request that gets "no connections" replaces the connection with a
+/// fresh one from the seed nodes; the stuck one ends when its last clone is dropped.
+#[derive(Clone)]
+struct ClusterHandle(Arc<ClusterParts>);
+
+struct ClusterParts {
+    client: ClusterClient,
+    config: ClusterConfig,
+    /// The connection in use, and its generation (so that a burst of failures on one
+    /// stuck connection replaces it once).
+    current: Mutex<(u64, ClusterConnection)>,
+}
+
+impl ClusterHandle {
+    fn new(client: ClusterClient, config: ClusterConfig) -> Self {
+        let conn = client.get_pending_async_connection_with_config(config.clone());
+        Self(Arc::new(ClusterParts { client, config, current: Mutex::new((0, conn)) }))
+    }
+
+    fn connection(&self) -> (u64, ClusterConnection) {
+        self.0.current.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// After `error` on generation `generation`: a connection that has no node left is
+    /// replaced (once) by one dialled from the seed nodes.
+    fn after_error(&self, generation: u64, error: &RedisError) {
+        if error.kind() != ErrorKind::ClusterConnectionNotFound {
+            return;
+        }
+        let mut current = self.0.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if current.0 == generation {
+            tracing::warn!(generation, "Redis Cluster connection has no node left; dialling the seed nodes again");
+            *current = (generation + 1, self.0.client.get_pending_async_connection_with_config(self.0.config.clone()));
+        }
+    }
+}
+
+impl ConnectionLike for ClusterHandle {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        let (generation, mut conn) = self.connection();
+        Box::pin(async move {
+            let answer = conn.req_packed_command(cmd).await;
+            if let Err(e) = &answer {
+                self.after_error(generation, e);
+            }
+            answer
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        let (generation, mut conn) = self.connection();
+        Box::pin(async move {
+            let answer = conn.req_packed_commands(pipeline, offset, count).await;
+            if let Err(e) = &answer {
+                self.after_error(generation, e);
+            }
+            answer
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        0
+    }
 }
 
 impl Connection {
@@ -226,7 +305,7 @@ impl Connection {
                     .set_response_timeout(RESPONSE_TIMEOUT);
                 // Pending: the seed nodes are dialled in the background, so the operator
                 // starts (and reports the registry unavailable) while the cluster is down.
-                Ok(Connection::Cluster(client.get_pending_async_connection_with_config(config)))
+                Ok(Connection::Cluster(ClusterHandle::new(client, config)))
             }
         }
     }
@@ -376,7 +455,7 @@ impl SessionStore {
     /// dead master's, so a killed master would read as healthy until its replica takes
     /// over (found by tests/redis_cluster.rs's kill -9). So: the slot map, then a keyed
     /// read (EXISTS, writes nothing) into each master's range, routed as the scripts are.
-    async fn every_slot_answers(&self, conn: &ClusterConnection) -> Result<(), RegistryError> {
+    async fn every_slot_answers(&self, conn: &ClusterHandle) -> Result<(), RegistryError> {
         let answer: Vec<Value> =
             redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn.clone()).await.step("read the slot map")?;
         let ranges = slot_ranges(&answer);
@@ -503,6 +582,26 @@ impl SessionStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connection with no node left is replaced once per generation; other errors, and
+    /// late failures of a connection already replaced, leave the current one alone. (No
+    /// server: the seed node is never dialled, the handle only swaps.)
+    #[tokio::test]
+    async fn a_cluster_connection_with_no_node_left_is_replaced_once() {
+        let client = ClusterClient::new(vec!["redis://127.0.0.1:1"]).expect("client");
+        let handle = ClusterHandle::new(client, ClusterConfig::new());
+        let no_node = RedisError::from((ErrorKind::ClusterConnectionNotFound, "No connections found"));
+        let io = RedisError::from(std::io::Error::other("reset"));
+        assert_eq!(handle.connection().0, 0);
+        handle.after_error(0, &io);
+        assert_eq!(handle.connection().0, 0, "an I/O error is the client's own to recover from");
+        handle.after_error(0, &no_node);
+        assert_eq!(handle.connection().0, 1, "no node left: a new connection from the seed nodes");
+        handle.after_error(0, &no_node);
+        assert_eq!(handle.connection().0, 1, "the old connection's late failures do not replace the new one");
+        handle.clone().after_error(1, &no_node);
+        assert_eq!(handle.connection().0, 2, "clones share the connection");
+    }
 
     fn fields(pairs: &[(&str, &str)]) -> SessionFields {
         let address = RunAddress { server_instance_id: "srv".into(), component_kind: "run".into() };

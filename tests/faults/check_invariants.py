@@ -18,6 +18,10 @@ Jobs: every job is in a state SPEC §5 allows, finished ones have completed_at, 
 id appears twice among the completions the load acknowledged (--completions: one job id
 per line, as the load's Runs were told "completed"), each of which is finished in the
 database.
+Durable rows under Redis faults (SPEC §5, §10: Redis losing data changes no durable row):
+--save-durable FILE writes the rows no Run traffic may change (run_identities, every
+column); --durable-before FILE compares them now with that file and names each row that
+changed, appeared or vanished.
 
 Prints the counts checked; a violation prints the project (or job), the rule and the
 rows, and the exit status is 1.
@@ -60,7 +64,7 @@ def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, i
     events, project_rows, master_rows = snapshot(
         url,
         [
-            "SELECT namespace, project_id, id, term, master_id, previous_master_id, cause "
+            "SELECT namespace, project_id, id, term, master_id, previous_master_id, cause, created_at "
             f"FROM controller_election_events WHERE namespace LIKE '{quoted}' ORDER BY namespace, project_id, id",
             f"SELECT namespace, project_id, term, master_id FROM controller_projects WHERE namespace LIKE '{quoted}'",
             "SELECT namespace, project_id, id, master_term FROM controller_registrations "
@@ -68,8 +72,8 @@ def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, i
         ],
     )
     history = collections.defaultdict(list)
-    for ns, project, event_id, term, master, previous, cause in events:
-        history[(ns, project)].append((int(event_id), int(term), master, previous, cause))
+    for ns, project, event_id, term, master, previous, cause, at in events:
+        history[(ns, project)].append((int(event_id), int(term), master, previous, cause, at))
     projects = {(ns, project): (int(term), master) for ns, project, term, master in project_rows}
     live_masters = collections.defaultdict(list)
     for ns, project, reg_id, master_term in master_rows:
@@ -79,16 +83,20 @@ def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, i
     for key in sorted(set(projects) | set(history)):
         name = f"{key[0]}/{key[1]}"
         events = history.get(key, [])
-        master, term = "", 0
-        for event_id, t, new_master, previous, cause in events:
+        # The master named by the row before holds the project over [since, this row's time).
+        master, term, since = "", 0, "the beginning"
+        for event_id, t, new_master, previous, cause, at in events:
             changes += 1
-            row = f"row {event_id}: term {t}, master {new_master or 'none'}, previous {previous or 'none'}, {cause}"
+            row = f"row {event_id} at {at}: term {t}, master {new_master or 'none'}, previous {previous or 'none'}, {cause}"
             if previous != master:
-                violations.append(f"{name}: a change of master with no row of its own before {row} (the master was {master or 'none'})")
+                violations.append(
+                    f"{name}: over [{since}, {at}] {master or 'none'} was master by the history, but {row} says the master was"
+                    f" {previous or 'none'}: two masters overlap, or a change of master has no row of its own"
+                )
             want = term + 1 if new_master else term
             if t != want:
                 violations.append(f"{name}: term {t} where {want} was due (after term {term}): {row}")
-            master, term = new_master, t
+            master, term, since = new_master, t, at
         current = projects.get(key)
         if current is None:
             violations.append(f"{name}: history without a project row")
@@ -132,15 +140,44 @@ def check_jobs(url: str, completions: str | None, violations: list[str]) -> dict
     return counts
 
 
+DURABLE = "SELECT id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds, created_at, updated_at, revoked_at FROM run_identities ORDER BY id"
+
+
+def durable_rows(url: str) -> dict[str, str]:
+    (rows,) = snapshot(url, [DURABLE])
+    return {row[0]: "\t".join(row) for row in rows}
+
+
+def check_durable(url: str, before: str, violations: list[str]) -> dict[str, int]:
+    with open(before, encoding="utf-8") as f:
+        then = dict(line.rstrip("\n").split("\t", 1) for line in f if line.strip())
+    then = {k: f"{k}\t{v}" for k, v in then.items()}
+    now = durable_rows(url)
+    for key in sorted(set(then) | set(now)):
+        if then.get(key) != now.get(key):
+            violations.append(f"run_identities {key} changed: before {then.get(key, 'absent')!r}, now {now.get(key, 'absent')!r}")
+    return {"durable rows compared": len(then)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("database_url")
     parser.add_argument("--namespace-prefix", default="")
     parser.add_argument("--completions")
+    parser.add_argument("--save-durable", metavar="FILE")
+    parser.add_argument("--durable-before", metavar="FILE")
     args = parser.parse_args()
+    if args.save_durable:
+        rows = durable_rows(args.database_url)
+        with open(args.save_durable, "w", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in rows.values())
+        print(f"saved {len(rows)} durable rows")
+        return
     violations: list[str] = []
     counts = check_elections(args.database_url, args.namespace_prefix, violations)
     counts.update(check_jobs(args.database_url, args.completions, violations))
+    if args.durable_before:
+        counts.update(check_durable(args.database_url, args.durable_before, violations))
     print("checked: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     for v in violations:
         print(f"VIOLATION {v}")

@@ -8,6 +8,8 @@
 //! which the operator's TokenReview/SubjectAccessReview paths need).
 #![allow(dead_code)]
 
+pub mod faults;
+
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -407,6 +409,15 @@ pub fn free_port() -> u16 {
     panic!("no free loopback port in {range:?} after 1000 tries")
 }
 
+/// The operator binary the tests start: cargo's build of this package, or the one
+/// PRISM_TEST_OPERATOR_BIN names (scripts/soak runs the fault harness on the release build).
+pub fn operator_binary() -> PathBuf {
+    match std::env::var_os("PRISM_TEST_OPERATOR_BIN") {
+        Some(path) if !path.is_empty() => PathBuf::from(path),
+        _ => PathBuf::from(env!("CARGO_BIN_EXE_prism-operator")),
+    }
+}
+
 /// A `prism-operator run` process of the test's own, watching one namespace, killed on drop.
 pub struct Operator {
     pub base: String,
@@ -425,7 +436,7 @@ impl Operator {
             let log = std::env::temp_dir().join(format!("prism-operator-{port}-{}.log", uuid::Uuid::new_v4().simple()));
             let out = std::fs::File::create(&log).expect("log file");
             let err = out.try_clone().expect("log file");
-            let child = Command::new(env!("CARGO_BIN_EXE_prism-operator"))
+            let child = Command::new(operator_binary())
                 .arg("run")
                 .env("DATABASE_URL", database_url)
                 .env("REDIS_URL", redis_url())
@@ -738,8 +749,22 @@ struct PrivateNode {
 
 impl PrivateRedis {
     pub fn start() -> PrivateRedis {
-        let cluster = redis_cluster_mode();
-        let count = if cluster { 3 } else { 1 };
+        PrivateRedis::start_with_replicas(0)
+    }
+
+    /// In cluster mode, `replicas` replicas per master (a master can then fail over);
+    /// standalone, one server whatever `replicas` says.
+    pub fn start_with_replicas(replicas: usize) -> PrivateRedis {
+        PrivateRedis::start_as(redis_cluster_mode(), replicas)
+    }
+
+    /// A private Redis Cluster whatever PRISM_TEST_REDIS says: 3 masters, `replicas` each.
+    pub fn cluster(replicas: usize) -> PrivateRedis {
+        PrivateRedis::start_as(true, replicas)
+    }
+
+    fn start_as(cluster: bool, replicas: usize) -> PrivateRedis {
+        let count = if cluster { 3 * (1 + replicas) } else { 1 };
         let nodes: Vec<PrivateNode> =
             (0..count).map(|_| PrivateNode { port: free_port(), bus: free_port(), child: None }).collect();
         let url = nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",");
@@ -751,7 +776,7 @@ impl PrivateRedis {
             let out = Command::new("redis-cli")
                 .args(["--cluster", "create"])
                 .args(&addrs)
-                .args(["--cluster-replicas", "0", "--cluster-yes"])
+                .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
                 .output()
                 .expect("redis-cli --cluster create");
             assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
@@ -761,22 +786,8 @@ impl PrivateRedis {
     }
 
     fn spawn(&mut self) {
-        for n in &mut self.nodes {
-            let dir = self.dir.join(n.port.to_string());
-            std::fs::create_dir_all(&dir).expect("redis dir");
-            let mut cmd = Command::new("redis-server");
-            cmd.args(["--port", &n.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .args(["--dir", dir.to_str().expect("utf-8")]);
-            if self.cluster {
-                // nodes.conf (in --dir) keeps the slots: a restarted node rejoins its cluster.
-                cmd.args(["--cluster-enabled", "yes", "--cluster-port", &n.bus.to_string()]).args([
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--cluster-require-full-coverage",
-                    "no",
-                ]);
-            }
-            n.child = Some(cmd.stdout(Stdio::null()).spawn().expect("redis-server (scripts/services installs it)"));
+        for i in 0..self.nodes.len() {
+            self.spawn_node(i);
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         for n in &self.nodes {
@@ -787,10 +798,112 @@ impl PrivateRedis {
         }
     }
 
-    /// Every node of the private cluster says `cluster_state:ok`.
+    fn spawn_node(&mut self, i: usize) {
+        let n = &mut self.nodes[i];
+        if n.child.is_some() {
+            return;
+        }
+        let dir = self.dir.join(n.port.to_string());
+        std::fs::create_dir_all(&dir).expect("redis dir");
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &n.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--dir", dir.to_str().expect("utf-8")]);
+        if self.cluster {
+            // nodes.conf (in --dir) keeps the slots: a restarted node rejoins its cluster.
+            cmd.args(["--cluster-enabled", "yes", "--cluster-port", &n.bus.to_string()]).args([
+                "--cluster-node-timeout",
+                "2000",
+                "--cluster-require-full-coverage",
+                "no",
+            ]);
+        }
+        n.child = Some(cmd.stdout(Stdio::null()).spawn().expect("redis-server (scripts/services installs it)"));
+    }
+
+    /// The role a running node reports (`master` or `slave`), None if it does not answer.
+    fn role(port: u16) -> Option<String> {
+        redis_cli(port, &["ROLE"]).lines().next().map(|l| l.trim().to_string()).filter(|r| !r.is_empty())
+    }
+
+    fn running_ports(&self) -> Vec<u16> {
+        self.nodes.iter().filter(|n| n.child.is_some()).map(|n| n.port).collect()
+    }
+
+    /// The ports of the running masters.
+    pub fn masters(&self) -> Vec<u16> {
+        self.running_ports().into_iter().filter(|p| Self::role(*p).as_deref() == Some("master")).collect()
+    }
+
+    /// A graceful failover: `CLUSTER FAILOVER` on the replica of the `pick`-th master;
+    /// returns once the replica is a master and every node is ok. None when there is no
+    /// replica (standalone, or a cluster without replicas).
+    pub fn failover(&self, pick: usize) -> Option<String> {
+        if !self.cluster {
+            return None;
+        }
+        let replicas: Vec<u16> =
+            self.running_ports().into_iter().filter(|p| Self::role(*p).as_deref() == Some("slave")).collect();
+        if replicas.is_empty() {
+            return None;
+        }
+        let port = replicas[pick % replicas.len()];
+        // A manual failover waits for the replica to catch up with its master: only a
+        // replica whose link is up (synced) can take over.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while info_field(&redis_cli(port, &["INFO", "replication"]), "master_link_status").as_deref() != Some("up") {
+            assert!(std::time::Instant::now() < deadline, "replica {port} never synced with its master");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let mut asked = None;
+        while Self::role(port).as_deref() != Some("master") {
+            assert!(std::time::Instant::now() < deadline, "replica {port} did not become a master");
+            // Asked again after 10 s: a manual failover that timed out is dropped.
+            if asked.is_none_or(|t: std::time::Instant| t.elapsed() > std::time::Duration::from_secs(10)) {
+                let out = redis_cli(port, &["CLUSTER", "FAILOVER"]);
+                assert_eq!(out.trim(), "OK", "CLUSTER FAILOVER on {port}");
+                asked = Some(std::time::Instant::now());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        self.wait_cluster_ok();
+        Some(format!("CLUSTER FAILOVER: replica {port} is master"))
+    }
+
+    /// `kill -9` of the `pick`-th master; once its replica has taken over (the cluster is
+    /// ok without it), the killed node is started again and rejoins as a replica. None
+    /// when no master has a replica to take over.
+    pub fn kill_master(&mut self, pick: usize) -> Option<String> {
+        if !self.cluster || self.nodes.len() <= 3 {
+            return None;
+        }
+        let masters = self.masters();
+        let port = masters[pick % masters.len()];
+        let i = self.nodes.iter().position(|n| n.port == port).expect("a node of ours");
+        if let Some(mut c) = self.nodes[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let started = std::time::Instant::now();
+        let deadline = started + std::time::Duration::from_secs(30);
+        while self.masters().len() < 3 {
+            assert!(std::time::Instant::now() < deadline, "no replica took over from killed master {port}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let took = started.elapsed();
+        self.wait_cluster_ok();
+        self.spawn_node(i);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "redis-server did not restart on port {port}");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        self.wait_cluster_ok();
+        Some(format!("kill -9 of master {port}: a replica took over in {:.1} s; {port} rejoined", took.as_secs_f64()))
+    }
+
+    /// Every running node of the private cluster says `cluster_state:ok`.
     fn wait_cluster_ok(&self) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        for n in &self.nodes {
+        for n in self.nodes.iter().filter(|n| n.child.is_some()) {
             loop {
                 let info = redis_cli(n.port, &["CLUSTER", "INFO"]);
                 if info_field(&info, "cluster_state").as_deref() == Some("ok") {
@@ -818,9 +931,12 @@ impl PrivateRedis {
         }
     }
 
-    /// Every node loses its data (on a cluster FLUSHALL is per node).
+    /// Every node loses its data (on a cluster FLUSHALL is per master; replicas follow).
     pub fn flushall(&self) {
-        for n in &self.nodes {
+        for n in self.nodes.iter().filter(|n| n.child.is_some()) {
+            if self.cluster && Self::role(n.port).as_deref() != Some("master") {
+                continue;
+            }
             let out = redis_cli(n.port, &["FLUSHALL"]);
             assert_eq!(out.trim(), "OK", "FLUSHALL on port {}", n.port);
         }
@@ -832,6 +948,17 @@ impl Drop for PrivateRedis {
         self.down();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The virtualenv python with the pinned official MCP SDK (scripts/mcp-sdk installs it on
+/// first use), which runs tests/mcp/*.py.
+pub fn mcp_python() -> &'static PathBuf {
+    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
+    PYTHON.get_or_init(|| {
+        let out = Command::new(repo_root().join("scripts/mcp-sdk")).output().expect("run scripts/mcp-sdk");
+        assert!(out.status.success(), "scripts/mcp-sdk failed: {}", String::from_utf8_lossy(&out.stderr));
+        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    })
 }
 
 /// An HTTP client for talking to the operator (plain HTTP on loopback).
