@@ -18,7 +18,7 @@ use crate::crd::{
     AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, REGISTRATION_FINALIZER,
     ReleaseReason, Role, is_label_value,
 };
-use crate::db::{MaybeUnavailable, retry_unavailable};
+use crate::db::retry_unavailable;
 use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
 use crate::election::{
     ElectionError, ElectionStore, LiveRole, NewRegistration, OwnedRegistration, RegisterOutcome, Registration,
@@ -240,28 +240,28 @@ impl AgentService {
         let outcome = retry_unavailable(DATABASE_RETRY, || self.store.register_owned(&new, Some(caller))).await;
         let existing = match outcome {
             Ok(RegisterOutcome::Registered(row)) => return self.registered(row).await,
-            // A concurrent call registered the same session first: that one stands, if it
-            // is the caller's.
+            // Another resource holds this session on this project (a concurrent call, or
+            // kubectl): that one stands, if it is the caller's.
             Ok(RegisterOutcome::DuplicateSession { existing }) => Ok(existing),
             Err(ElectionError::NotOwned(s)) => Err(AgentError::NotOwned(s)),
-            // Postgres stayed away: whether this call changed anything cannot be told (a
-            // commit whose answer was lost; a context switch that left the old project
-            // before the new election failed). The resource stays, as the request's intent:
-            // the reconciler registers it once Postgres is back, and the caller's retry
-            // finds it. Deleting it here would release a row that may exist, leaving the
-            // session on no project at all.
-            Err(e) if e.is_unavailable() => {
-                warn!(namespace, name = %new.name, session_id, error = %e,
-                      "register: Postgres unavailable; the reconciler completes this registration");
-                return Err(e.into());
-            }
-            Err(e) => Err(e.into()),
+            Err(e) => match self.store.get(new.id).await {
+                // Written after all (a commit whose answer was lost on the last try): the
+                // call did what it was asked. Deleting the resource now would have its
+                // finalizer release the session behind the caller's back.
+                Ok(Some(row)) if row.is_live() => return self.registered(row).await,
+                Ok(_) => Err(e.into()),
+                // Whether the row exists cannot be told: the resource stays, and the
+                // reconciler settles it once Postgres answers (registers it, or finds it
+                // released). The caller's retry of the same session is idempotent.
+                Err(_) => {
+                    warn!(namespace, name = %new.name, session_id, error = %e,
+                          "register refused while Postgres is away; the reconciler settles its resource");
+                    return Err(e.into());
+                }
+            },
         };
-        // This resource is not used: its finalizer would only release a row never written.
-        if let Err(error) = api.delete(&new.name, &DeleteParams::default()).await {
-            warn!(namespace, name = %new.name, %error,
-                  "could not delete the unused registration; its status says DuplicateSession");
-        }
+        // This resource is not used (no row of it was written): the call is refused as a
+        // whole, or another resource stands for the session.
         let existing = existing?;
         match self.store.get_owned(existing.id).await? {
             Some(owned) => check_owner(&owned, caller)?,

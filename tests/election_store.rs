@@ -124,6 +124,55 @@ async fn one_session_racing_onto_two_projects_ends_live_on_one() {
     }
 }
 
+/// A context switch is one transaction: when joining the new project fails (here a
+/// trigger refuses the insert, as a killed backend would end the transaction), the
+/// session is still live and master on its old project, and no history row says it left.
+/// (Leaving and joining were two transactions: the fault harness saw the session live
+/// nowhere in between.)
+#[tokio::test]
+async fn a_context_switch_that_fails_to_join_leaves_the_session_where_it_was() {
+    let db = TestDb::new().await;
+    let store = ElectionStore::new(db.pool.clone());
+    let a = reg("ns", "on-a", "A", "sess", AgentSurface::Codex);
+    store.register(&a).await.expect("register on A");
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_b() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN IF NEW.project_id = 'B' THEN RAISE EXCEPTION 'joining B fails'; END IF; RETURN NEW; END $$;
+         CREATE TRIGGER refuse_b BEFORE INSERT ON controller_registrations FOR EACH ROW EXECUTE FUNCTION refuse_b();",
+    )
+    .execute(&db.pool)
+    .await
+    .expect("trigger");
+    let history = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM controller_election_events WHERE project_id = 'A'")
+            .fetch_one(&db.pool)
+            .await
+            .expect("history")
+    };
+    let before = history().await;
+    let b = reg("ns", "on-b", "B", "sess", AgentSurface::Codex);
+    let refused = store.register(&b).await;
+    assert!(refused.is_err(), "joining B fails: {refused:?}");
+    let (project, master): (String, bool) = sqlx::query_as(
+        "SELECT project_id, is_master FROM controller_registrations WHERE session_id = 'sess' AND released_at IS NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("the session is live somewhere");
+    assert_eq!((project.as_str(), master), ("A", true), "still master of A");
+    assert_eq!(history().await, before, "no history row for a switch that did not happen");
+
+    sqlx::query("DROP TRIGGER refuse_b ON controller_registrations").execute(&db.pool).await.expect("drop");
+    store.register(&b).await.expect("the switch once B takes it");
+    let live: Vec<String> = sqlx::query_scalar(
+        "SELECT project_id FROM controller_registrations WHERE session_id = 'sess' AND released_at IS NULL",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .expect("live");
+    assert_eq!(live, vec!["B".to_string()]);
+}
+
 // Deterministic: on a current-thread runtime (spelled out) the coalescer's own flusher
 // runs only while this test awaits. With an hour's window its one tick during the test is
 // the immediate first one, taken at the yield below or at an await after the test's own

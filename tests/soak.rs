@@ -80,6 +80,8 @@ impl Settings {
 struct Tally {
     calls: Mutex<BTreeMap<(String, String), u64>>,
     unexpected: Mutex<Vec<String>>,
+    /// The agent sessions of those answers, whose rows a failure shows.
+    sessions: Mutex<Vec<String>>,
 }
 
 impl Tally {
@@ -305,6 +307,9 @@ async fn http_agent(a: u64, seed: u64, ctx: Arc<Agents>) -> Vec<(String, String)
                 }
                 Answer::Refused(status, code) => {
                     ctx.tally.unexpected(format!("{what} of {session} on {project}: {status} {code}"));
+                    if let Ok(mut s) = ctx.tally.sessions.lock() {
+                        s.push(session.clone());
+                    }
                     break;
                 }
             }
@@ -831,8 +836,21 @@ async fn the_fault_harness() {
         run_ctx.abandoned.load(Ordering::Relaxed)
     ));
 
-    // Nothing the faults do not explain.
+    // Nothing the faults do not explain; the rows of a session that got such an answer.
     let unexpected = tally.unexpected.lock().expect("unexpected").clone();
+    let sessions = tally.sessions.lock().expect("sessions").clone();
+    for session in &sessions {
+        let rows: Vec<(String, String, String, Option<String>)> = sqlx::query_as(
+            "SELECT id::text, project_id, registered_at::text, released_at::text || ' ' || release_reason
+             FROM controller_registrations WHERE namespace = $1 AND session_id = $2 ORDER BY registered_at",
+        )
+        .bind(&ns)
+        .bind(session)
+        .fetch_all(&db)
+        .await
+        .unwrap_or_default();
+        say(&format!("rows of {session}: {rows:?}"));
+    }
     assert!(unexpected.is_empty(), "answers no fault explains ({}):\n{}", unexpected.len(), unexpected.join("\n"));
     assert_eq!(mcp_report["unexpected_count"], 0, "MCP answers no fault explains: {}", mcp_report["unexpected"]);
     for kind in &kinds {

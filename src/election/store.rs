@@ -133,6 +133,8 @@ enum Attempt {
     IdKnown,
     /// The session has a live registration (the one-live-per-session index said so).
     SessionLive,
+    /// The registration to leave (rule 7) was no longer live under the lock.
+    AlreadyLeft,
 }
 
 #[derive(Clone)]
@@ -291,8 +293,11 @@ impl ElectionStore {
         new: &NewRegistration,
         owner: Option<&str>,
     ) -> Result<RegisterOutcome, ElectionError> {
+        // The session's live registration on another project, once found: the next
+        // attempt leaves it and elects the newcomer in one transaction.
+        let mut leaving: Option<Registration> = None;
         for attempt in 1..=MAX_ATTEMPTS {
-            match self.elect_newcomer(new, owner).await {
+            match self.elect_newcomer(new, owner, leaving.as_ref()).await {
                 Ok(Attempt::Done(row)) => return Ok(RegisterOutcome::Registered(*row)),
                 // Inserted before (or by a concurrent caller: API and reconciler race).
                 Ok(Attempt::IdKnown) => {
@@ -303,7 +308,20 @@ impl ElectionStore {
                         return Ok(RegisterOutcome::Registered(existing));
                     }
                 }
+                // The registration to leave was released in the meantime: look again.
+                Ok(Attempt::AlreadyLeft) => leaving = None,
                 Ok(Attempt::SessionLive) => match self.live_by_session_owned(&new.namespace, &new.session_id).await? {
+                    // Our own row: an earlier attempt committed, and its answer was lost (a
+                    // killed backend); Postgres named the session index, not the id. Not a
+                    // duplicate: the API would delete this resource, whose finalizer then
+                    // releases the registration it had just answered 200 for (the fault
+                    // harness: a session wrapped 3 s after its acknowledged switch).
+                    Some(own) if own.row.id == new.id => {
+                        if let Some(owner) = owner {
+                            self.claim(new.id, owner).await?;
+                        }
+                        return Ok(RegisterOutcome::Registered(own.row));
+                    }
                     // Rule 6 under another resource: that one stands.
                     Some(existing) if existing.row.project_id == new.project_id => {
                         return Ok(RegisterOutcome::DuplicateSession { existing: existing.row });
@@ -315,13 +333,9 @@ impl ElectionStore {
                         return Err(ElectionError::NotOwned(new.session_id.clone()));
                     }
                     // Rule 7: the session is live on another project; leave it, then elect.
-                    Some(other) => match self.release_once(other.row.id, ReleaseReason::ContextSwitch).await {
-                        Ok(_) => {}
-                        Err(e) if e.is_race() => continue,
-                        Err(e) => return Err(e),
-                    },
+                    Some(other) => leaving = Some(other.row),
                     // Released in the meantime: try again.
-                    None => continue,
+                    None => leaving = None,
                 },
                 Err(e) if e.is_race() => debug!(attempt, error = %e, "lost a registration race; retrying"),
                 Err(e) => return Err(e),
@@ -342,10 +356,42 @@ impl ElectionStore {
         Ok(())
     }
 
-    /// The election on the newcomer's project: lock, plan, insert, write, commit.
-    async fn elect_newcomer(&self, new: &NewRegistration, owner: Option<&str>) -> Result<Attempt, ElectionError> {
+    /// The election on the newcomer's project: lock, plan, insert, write, commit. With
+    /// `leaving` (rule 7), the session's registration on another project is released in
+    /// the same transaction: the session leaves one project and joins the other, or
+    /// neither happens. (Two transactions left a moment, and after a failure between
+    /// them for good, in which the session was live nowhere: the fault harness saw a
+    /// heartbeat answered not_registered although no call of that session had failed.)
+    async fn elect_newcomer(
+        &self,
+        new: &NewRegistration,
+        owner: Option<&str>,
+        leaving: Option<&Registration>,
+    ) -> Result<Attempt, ElectionError> {
         let mut tx = self.pool.begin().await.step("register: begin")?;
-        lock_project(&mut tx, &new.namespace, &new.project_id).await?;
+        match leaving {
+            None => lock_project(&mut tx, &new.namespace, &new.project_id).await?,
+            Some(from) => {
+                // Every transaction that holds two project locks takes them in this
+                // order, so two context switches cannot wait for each other.
+                let mut projects = [
+                    (from.namespace.as_str(), from.project_id.as_str()),
+                    (new.namespace.as_str(), new.project_id.as_str()),
+                ];
+                projects.sort();
+                for (namespace, project_id) in projects {
+                    lock_project(&mut tx, namespace, project_id).await?;
+                }
+                let (state, names) = lock_and_read(&mut tx, &from.namespace, &from.project_id).await?;
+                let decision =
+                    decide(&state, &Event::Release { ids: vec![from.id], reason: ReleaseReason::ContextSwitch });
+                if decision.transitions.is_empty() {
+                    return Ok(Attempt::AlreadyLeft);
+                }
+                write_decision(&mut tx, &from.namespace, &from.project_id, &state, &decision, &names, None).await?;
+                write_wrap_nudge(&mut tx, from).await?;
+            }
+        }
         let plan = plan_registration(&mut tx, new).await?;
         match insert_registration(&mut tx, new, owner, plan.now).await {
             Ok(()) => {}
