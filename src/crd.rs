@@ -55,6 +55,10 @@ pub fn is_label_value(v: &str) -> bool {
     printcolumn(name = "Role", type_ = "string", json_path = ".status.role"),
     printcolumn(name = "Term", type_ = "integer", json_path = ".status.term"),
     printcolumn(name = "Heartbeat", type_ = "date", json_path = ".status.lastHeartbeat"),
+    // lastHeartbeat is refreshed every PRISM_STATUS_HEARTBEAT_SECONDS only (the API
+    // server's write load); Stale is written the moment it turns, so live and stale read
+    // apart at a glance whatever that setting is.
+    printcolumn(name = "Stale", type_ = "string", json_path = r#".status.conditions[?(@.type=="Stale")].status"#),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 // Changing project is a context switch, which is a new registration: spec never changes.

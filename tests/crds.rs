@@ -137,7 +137,7 @@ async fn kubectl_get_prints_the_columns() {
 
     let out = cp.kubectl_ok(&["get", "creg", "-n", &ns]);
     let header: Vec<&str> = out.lines().next().unwrap_or_default().split_whitespace().collect();
-    assert_eq!(header, ["NAME", "PROJECT", "SURFACE", "ROLE", "TERM", "HEARTBEAT", "AGE"], "{out}");
+    assert_eq!(header, ["NAME", "PROJECT", "SURFACE", "ROLE", "TERM", "HEARTBEAT", "STALE", "AGE"], "{out}");
     assert!(
         out.lines().any(|l| l.starts_with("desk-pgr01") && l.contains("PID-PGR01") && l.contains("claude_desktop")),
         "{out}"

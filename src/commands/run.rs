@@ -15,6 +15,7 @@ use crate::db;
 use crate::election::ElectionStore;
 use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
 use crate::reconcilers;
+use crate::reconcilers::status::Written;
 use crate::run_registry::SessionStore;
 use crate::run_registry::identity::IdentityStore;
 use crate::run_registry::jobs::JobStore;
@@ -107,6 +108,7 @@ fn start_leader_work(
     metrics: &Arc<Metrics>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let status_heartbeat = Duration::from_secs(u64::from(args.status_heartbeat_seconds));
     let ctx = Arc::new(reconcilers::Context {
         client: kube.clone(),
         election: election.clone(),
@@ -115,8 +117,9 @@ fn start_leader_work(
         stale_after: chrono::Duration::minutes(i64::from(args.peer_stale_minutes)),
         metrics: metrics.clone(),
         reconcile_concurrency: args.reconcile_concurrency,
-        written_registrations: Default::default(),
-        written_runsessions: Default::default(),
+        status_heartbeat,
+        written_registrations: Written::new(status_heartbeat),
+        written_runsessions: Written::new(status_heartbeat),
         failures: Default::default(),
     });
     let namespace = args.watch_namespace.clone();

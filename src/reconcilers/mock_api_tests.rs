@@ -23,7 +23,7 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
 use tower_test::mock::{Handle, SendResponse};
 
-use super::registration::{REGISTRATION_HEARTBEAT_RESOLUTION, add_finalizer_with_label, ensure_label};
+use super::registration::{add_finalizer_with_label, ensure_label};
 use super::status::{Written, write_status};
 use super::{ControllerError, FIELD_MANAGER, finalized, recorder};
 use crate::crd::{
@@ -37,6 +37,8 @@ type ApiServer = Handle<Request<Body>, Response<Body>>;
 const REGISTRATION: &str = "/apis/prism.ntecdev.ai/v1alpha1/namespaces/ns/controllerregistrations/r";
 const RUNSESSION: &str = "/apis/prism.ntecdev.ai/v1alpha1/namespaces/ns/runsessions/rs";
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/ns/events";
+/// PRISM_STATUS_HEARTBEAT_SECONDS in these tests (the default).
+const HEARTBEAT_EVERY: u64 = 120;
 
 /// One request the glue sent, ready to be answered.
 struct Sent {
@@ -216,14 +218,14 @@ async fn with_finalizer_and_label_from_admission_apply_writes_nothing() {
                     let Finalizer::Apply(obj) = event else { panic!("not deleting") };
                     assert!(ensure_label(api, &obj).await.is_none());
                     applied.store(true, Ordering::SeqCst);
-                    Ok(Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION))
+                    Ok(Action::requeue(Duration::from_secs(120)))
                 })
                 .await
             }
         },
     )
     .await;
-    assert_eq!(result.expect("reconciled"), Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION));
+    assert_eq!(result.expect("reconciled"), Action::requeue(Duration::from_secs(120)));
     assert!(applied.load(Ordering::SeqCst));
 }
 
@@ -255,14 +257,14 @@ async fn finalizer_and_label_missing_are_written_in_one_patch_and_apply_runs_at_
                     let Finalizer::Apply(obj) = event else { panic!("not deleting") };
                     assert!(ensure_label(api, &obj).await.is_none(), "the label is there: no second write");
                     applied.store(true, Ordering::SeqCst);
-                    Ok(Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION))
+                    Ok(Action::requeue(Duration::from_secs(120)))
                 })
                 .await
             }
         },
     )
     .await;
-    assert_eq!(result.expect("reconciled"), Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION));
+    assert_eq!(result.expect("reconciled"), Action::requeue(Duration::from_secs(120)));
     assert!(applied.load(Ordering::SeqCst), "apply ran in the same reconcile");
 }
 
@@ -429,8 +431,8 @@ fn master_status(heartbeat_secs: i64) -> ControllerRegistrationStatus {
 #[tokio::test]
 async fn no_status_write_and_no_event_when_nothing_worth_it_changed() {
     let obj = registration("1");
-    let written = Written::default();
-    let (before, after) = (master_status(0), master_status(20));
+    let written = Written::new(Duration::from_secs(HEARTBEAT_EVERY));
+    let (before, after) = (master_status(0), master_status(100));
     against(
         |server| async move { server },
         |client| async {
@@ -439,7 +441,7 @@ async fn no_status_write_and_no_event_when_nothing_worth_it_changed() {
             write_status(&api, &recorder, &written, &obj, &before, &before).await.expect("same status");
             write_status(&api, &recorder, &written, &obj, &before, &after)
                 .await
-                .expect("20 s of heartbeat, under the registrations' 30 s resolution");
+                .expect("100 s of heartbeat, under the 120 s status heartbeat");
         },
     )
     .await;
@@ -449,7 +451,7 @@ async fn no_status_write_and_no_event_when_nothing_worth_it_changed() {
 #[tokio::test]
 async fn a_new_role_is_applied_server_side_remembered_and_announced_once() {
     let obj = registration("1");
-    let written = Written::default();
+    let written = Written::new(Duration::from_secs(HEARTBEAT_EVERY));
     let (before, after) = (ControllerRegistrationStatus::default(), master_status(0));
     let expected = json!({
         "apiVersion": "prism.ntecdev.ai/v1alpha1",
@@ -487,7 +489,7 @@ async fn a_new_role_is_applied_server_side_remembered_and_announced_once() {
 #[tokio::test]
 async fn a_failed_status_write_is_neither_remembered_nor_announced() {
     let obj = registration("1");
-    let written = Written::default();
+    let written = Written::new(Duration::from_secs(HEARTBEAT_EVERY));
     let result = against(
         |mut server| async move {
             next_status_patch(&mut server, REGISTRATION).await.fail(500, "InternalError");
@@ -543,11 +545,11 @@ fn online(heartbeat_secs: i64) -> RunSessionStatus {
 }
 
 #[tokio::test]
-async fn runsession_status_uses_the_same_writer_with_its_own_resolution_and_events() {
+async fn runsession_status_uses_the_same_writer_and_its_own_events() {
     let obj = runsession();
-    let written = Written::default();
+    let written = Written::new(Duration::from_secs(HEARTBEAT_EVERY));
     let pending = RunSessionStatus::default();
-    let (first, later, much_later) = (online(0), online(5), online(10));
+    let (first, later, much_later) = (online(0), online(100), online(120));
     let expected = json!({"apiVersion": "prism.ntecdev.ai/v1alpha1", "kind": "RunSession", "status": to_json(&first)});
     let (answer, beat) = (to_json(&runsession()), to_json(&much_later));
     against(
@@ -563,7 +565,7 @@ async fn runsession_status_uses_the_same_writer_with_its_own_resolution_and_even
             );
             let body = sent.body.clone();
             sent.answer(201, &body);
-            // 10 s of heartbeat is a write for a RunSession, and no Event.
+            // 120 s of heartbeat is a write, and no Event.
             let sent = next_status_patch(&mut server, RUNSESSION).await;
             assert_eq!(sent.body["status"], beat);
             sent.answer(200, &answer);
@@ -573,11 +575,11 @@ async fn runsession_status_uses_the_same_writer_with_its_own_resolution_and_even
             let api = Api::namespaced(client.clone(), "ns");
             let recorder = recorder(client);
             write_status(&api, &recorder, &written, &obj, &pending, &first).await.expect("online");
-            write_status(&api, &recorder, &written, &obj, &first, &later).await.expect("5 s: no write");
-            write_status(&api, &recorder, &written, &obj, &first, &much_later).await.expect("10 s: a write");
+            write_status(&api, &recorder, &written, &obj, &first, &later).await.expect("100 s: no write");
+            write_status(&api, &recorder, &written, &obj, &first, &much_later).await.expect("120 s: a write");
         },
     )
     .await;
     let remembered: Option<Time> = written.previous(obj.uid().as_deref(), None).and_then(|s| s.last_heartbeat);
-    assert_eq!(remembered, online(10).last_heartbeat);
+    assert_eq!(remembered, online(120).last_heartbeat);
 }

@@ -61,6 +61,8 @@ pub struct Context {
     pub registry: RunRegistry,
     pub recorder: Recorder,
     pub stale_after: chrono::Duration,
+    /// PRISM_STATUS_HEARTBEAT_SECONDS: the period of live registrations' reconciles.
+    pub status_heartbeat: std::time::Duration,
     pub metrics: Arc<Metrics>,
     /// Reconciles in flight at once, per controller.
     pub reconcile_concurrency: u16,

@@ -27,10 +27,6 @@ use crate::election::NewRegistration;
 use crate::election::store::{ProjectView, RegisterOutcome, Registration};
 use crate::time::to_k8s;
 
-/// A registration's `status.lastHeartbeat` is refreshed at most this often, and live
-/// registrations come back this often to refresh it and the Stale condition.
-pub const REGISTRATION_HEARTBEAT_RESOLUTION: Duration = Duration::from_secs(30);
-
 /// Tries of the label patch when our copy keeps turning out stale.
 const LABEL_ATTEMPTS: u32 = 3;
 
@@ -55,7 +51,6 @@ impl Reconciled for ControllerRegistration {
 }
 
 impl ObservedStatus for ControllerRegistrationStatus {
-    const HEARTBEAT_RESOLUTION: Duration = REGISTRATION_HEARTBEAT_RESOLUTION;
     const EVENT_ACTION: &'static str = "Elect";
 
     fn last_heartbeat(&self) -> Option<&Time> {
@@ -207,7 +202,7 @@ async fn apply(
 
     Ok(match next.role {
         // Live registrations come back to refresh lastHeartbeat and the Stale condition.
-        Role::Master | Role::Peer => Action::requeue(REGISTRATION_HEARTBEAT_RESOLUTION),
+        Role::Master | Role::Peer => Action::requeue(spread(ctx.status_heartbeat, id)),
         Role::Pending => Action::requeue(Duration::from_secs(60)),
         Role::Released => Action::await_change(),
     })
@@ -224,6 +219,15 @@ async fn cleanup(obj: &ControllerRegistration, ctx: &Context) -> Result<Action, 
         publish(&ctx.recorder, obj, event, ControllerRegistrationStatus::EVENT_ACTION).await;
     }
     Ok(Action::await_change())
+}
+
+/// `period` stretched by 0-10 %, by the registration's id: after a leader change every
+/// live registration is reconciled at once, and without this their periodic reconciles
+/// (and status writes) would stay in step, one burst per period instead of a steady rate.
+pub fn spread(period: Duration, id: Uuid) -> Duration {
+    let tenth = period / 10;
+    let frac = (id.as_u128() % 1000) as u32;
+    period + tenth * frac / 1000
 }
 
 fn reference(row: &Registration) -> RegistrationRef {
@@ -414,7 +418,17 @@ mod tests {
     }
 
     #[test]
-    fn heartbeat_alone_is_written_at_most_every_30_seconds() {
+    fn periods_are_spread_over_a_tenth_and_stable_per_registration() {
+        let period = Duration::from_secs(120);
+        let spreads: Vec<Duration> = (0..1000u128).map(|n| spread(period, Uuid::from_u128(n * 7919))).collect();
+        assert!(spreads.iter().all(|d| *d >= period && *d < period + period / 10));
+        let distinct: std::collections::BTreeSet<_> = spreads.iter().collect();
+        assert!(distinct.len() > 500, "spread, not in step: {} distinct", distinct.len());
+        assert_eq!(spread(period, Uuid::from_u128(42)), spread(period, Uuid::from_u128(42)));
+    }
+
+    #[test]
+    fn heartbeat_alone_is_written_at_most_every_status_heartbeat() {
         let m = row("m", true);
         let a = status_of(&m, &m, 1);
         // The same registration after `secs` more seconds of heartbeats, against `a`.
@@ -424,9 +438,24 @@ mod tests {
             let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![] };
             build_status(&later, &view, None, Some(1), &a, chrono::Duration::minutes(10), later.last_heartbeat)
         };
-        assert!(!needs_write(&a, &beaten(10)), "10 s of heartbeat is not worth a write");
-        assert!(!needs_write(&a, &beaten(29)));
-        assert!(needs_write(&a, &beaten(35)));
+        let every = Duration::from_secs(120);
+        assert!(!needs_write(&a, &beaten(10), every), "10 s of heartbeat is not worth a write");
+        assert!(!needs_write(&a, &beaten(119), every));
+        assert!(needs_write(&a, &beaten(125), every));
+        // The Stale condition is not held back: past the stale threshold it is written.
+        let stale = |secs: i64| {
+            let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![] };
+            build_status(
+                &m,
+                &view,
+                None,
+                Some(1),
+                &a,
+                chrono::Duration::minutes(10),
+                m.last_heartbeat + chrono::Duration::seconds(secs),
+            )
+        };
+        assert!(needs_write(&a, &stale(601), every), "a registration turning stale is written at once");
     }
 
     #[test]

@@ -22,8 +22,6 @@ use crate::run_registry::identity::{Identity, Mirror};
 use crate::run_registry::projection::{self, Lease, SessionView};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
-/// A RunSession's `status.lastHeartbeat` alone is written at most this often.
-pub const RUNSESSION_HEARTBEAT_RESOLUTION: Duration = Duration::from_secs(10);
 
 impl Reconciled for RunSession {
     const FINALIZER: &'static str = FINALIZER;
@@ -39,7 +37,6 @@ impl Reconciled for RunSession {
 }
 
 impl ObservedStatus for RunSessionStatus {
-    const HEARTBEAT_RESOLUTION: Duration = RUNSESSION_HEARTBEAT_RESOLUTION;
     const EVENT_ACTION: &'static str = "Observe";
 
     fn last_heartbeat(&self) -> Option<&Time> {
@@ -272,8 +269,10 @@ mod tests {
             s.last_heartbeat += chrono::Duration::milliseconds(ms);
             status(Lease::Held(&s), &first)
         };
-        assert!(!needs_write(&first, &beaten(5_000)));
-        assert!(needs_write(&first, &beaten(10_000)));
+        let every = Duration::from_secs(120);
+        assert!(!needs_write(&first, &beaten(5_000), every));
+        assert!(!needs_write(&first, &beaten(119_000), every));
+        assert!(needs_write(&first, &beaten(120_000), every));
         assert!(phase_event(&first, &beaten(10_000)).is_none(), "no Event without a change of phase");
         let offline = status(Lease::Absent { credential_rotated: false }, &first);
         assert_eq!(phase_event(&first, &offline).map(|e| e.1), Some("Offline"));

@@ -25,8 +25,6 @@ pub type StatusEvent = (EventType, &'static str, String);
 
 /// What the status writer needs to know of a kind's status.
 pub trait ObservedStatus: Clone + PartialEq + Default + Serialize {
-    /// `lastHeartbeat` alone is written at most this often: never a status write per beat.
-    const HEARTBEAT_RESOLUTION: Duration;
     /// The `action` of this kind's Events.
     const EVENT_ACTION: &'static str;
 
@@ -41,11 +39,11 @@ pub trait ObservedStatus: Clone + PartialEq + Default + Serialize {
 }
 
 /// Whether to write: anything but the heartbeat changed, or the heartbeat moved by at
-/// least the kind's resolution.
-pub fn needs_write<S: ObservedStatus>(previous: &S, next: &S) -> bool {
+/// least `heartbeat_every` (`lastHeartbeat` alone is never a status write per beat).
+pub fn needs_write<S: ObservedStatus>(previous: &S, next: &S, heartbeat_every: Duration) -> bool {
     let secs = |t: Option<&Time>| t.map(|t| t.0.as_second());
     let beat_moved = match (secs(previous.last_heartbeat()), secs(next.last_heartbeat())) {
-        (Some(a), Some(b)) => (b - a).unsigned_abs() >= S::HEARTBEAT_RESOLUTION.as_secs(),
+        (Some(a), Some(b)) => (b - a).unsigned_abs() >= heartbeat_every.as_secs(),
         (a, b) => a != b,
     };
     beat_moved || previous.stable() != next.stable()
@@ -65,7 +63,7 @@ pub async fn write_status<K>(
 where
     K: Resource<DynamicType = ()> + HasStatus<Status: ObservedStatus> + Clone + DeserializeOwned + Debug,
 {
-    if needs_write(previous, next) {
+    if needs_write(previous, next, written.heartbeat_every) {
         let patch = json!({"apiVersion": K::api_version(&()), "kind": K::kind(&()), "status": next});
         api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
         written.wrote(obj.uid().as_deref(), next.clone());
@@ -99,15 +97,16 @@ const WRITTEN_TTL: Duration = Duration::from_secs(10);
 /// someone else is still corrected at the next reconcile.
 pub struct Written<S> {
     entries: Mutex<HashMap<String, (Instant, S)>>,
-}
-
-impl<S> Default for Written<S> {
-    fn default() -> Self {
-        Self { entries: Default::default() }
-    }
+    /// A status whose only change is `lastHeartbeat` is written once it moved this much
+    /// (PRISM_STATUS_HEARTBEAT_SECONDS): the API server's steady write load.
+    pub heartbeat_every: Duration,
 }
 
 impl<S: Clone> Written<S> {
+    pub fn new(heartbeat_every: Duration) -> Self {
+        Self { entries: Default::default(), heartbeat_every }
+    }
+
     /// The status to compare against: ours if we wrote one lately, else the cached one.
     pub fn previous(&self, uid: Option<&str>, cached: Option<&S>) -> Option<S> {
         let ours = uid.and_then(|uid| {
@@ -139,7 +138,7 @@ mod tests {
 
     #[test]
     fn a_status_we_just_wrote_wins_over_the_lagging_cache() {
-        let written: Written<&str> = Written::default();
+        let written: Written<&str> = Written::new(Duration::from_secs(120));
         assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "nothing written yet");
         written.wrote(Some("uid-1"), "ours");
         assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("ours"));

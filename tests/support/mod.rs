@@ -99,13 +99,23 @@ fn start_control_plane() -> ControlPlane {
         _child: Mutex::new(child),
     };
     cp.kubectl_ok(&["apply", "--server-side", "-f", repo_root().join("crds").to_str().expect("utf-8 path")]);
-    cp.kubectl_ok(&[
+    // `kubectl wait` fails outright ("status.conditions accessor error") when it reads a
+    // CRD before the API server gave it any condition: a CI run met it. Ask again.
+    let wait = [
         "wait",
         "--for=condition=Established",
         "--timeout=60s",
         "crd/controllerregistrations.prism.ntecdev.ai",
         "crd/runsessions.prism.ntecdev.ai",
-    ]);
+    ];
+    for attempt in 1.. {
+        let out = cp.kubectl(&wait, None);
+        if out.ok {
+            break;
+        }
+        assert!(attempt < 20 && out.stderr.contains("accessor error"), "kubectl {wait:?} failed: {}", out.stderr);
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
     cp.kubectl_ok(&["create", "namespace", OPERATOR_NAMESPACE]);
     if std::env::var("PRISM_TEST_OPERATOR_RBAC").as_deref() == Ok("chart") {
         cp.operator_kubeconfig = chart_rbac_kubeconfig(&cp, &dir);
