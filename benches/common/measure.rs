@@ -121,13 +121,14 @@ where
     F: FnMut(usize, usize) -> Fut,
     Fut: Future<Output = T>,
 {
-    let mut out: Vec<Vec<Option<T>>> = (0..sides).map(|_| (0..rounds).map(|_| None).collect()).collect();
+    let mut out: Vec<Vec<T>> = (0..sides).map(|_| Vec::with_capacity(rounds)).collect();
     for round in 0..rounds {
+        // Each side once per round: its results stay in round order.
         for side in order(round, sides) {
-            out[side][round] = Some(measure(side, round).await);
+            out[side].push(measure(side, round).await);
         }
     }
-    out.into_iter().map(|side| side.into_iter().flatten().collect()).collect()
+    out
 }
 
 /// Each round's `a / b`: a ratio of the two sides of one round.
