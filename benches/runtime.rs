@@ -195,11 +195,18 @@ async fn main() {
     let pg_before = settled(&db, &raw_db).await;
     let sides = interleave(2, rounds(), |side, _| match side {
         0 => {
-            let r = claim_runs.clone();
-            counted(&counters, move |i, _| {
-                let r = r.clone();
-                async move { r[i].claim(1).await.map(|j| j.len() == 1).unwrap_or(false) }
-            })
+            let (r, counters) = (claim_runs.clone(), &counters);
+            async move {
+                // Claims do not renew the lease (30 s): renew it before the window, outside it.
+                for run in r.iter() {
+                    run.heartbeat().await.expect("heartbeat before the claims");
+                }
+                counted(counters, move |i, _| {
+                    let r = r.clone();
+                    async move { r[i].claim(1).await.map(|j| j.len() == 1).unwrap_or(false) }
+                })
+                .await
+            }
             .boxed()
         }
         _ => {

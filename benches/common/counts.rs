@@ -63,7 +63,9 @@ impl PgActivity {
     }
 
     /// "1.00 transactions, 2.0 rows fetched, 1.0 rows written per op". Rows fetched are
-    /// index and heap fetches; rows returned (sequential scans) are shown when there are any.
+    /// live rows an index scan fetched; `tup_returned` (index entries and sequential-scan
+    /// rows read) is shown when there are any: it is what grows when a query reads more
+    /// than it needs.
     pub fn per(&self, ops: u64, op: &str) -> String {
         let per = |x: i64| x as f64 / (ops as f64).max(1.0);
         let written = self.tup_inserted + self.tup_updated + self.tup_deleted;
@@ -74,7 +76,7 @@ impl PgActivity {
             per(written)
         );
         if per(self.tup_returned) >= 0.05 {
-            s.push_str(&format!(" ({:.1} rows returned by scans)", per(self.tup_returned)));
+            s.push_str(&format!(" ({:.1} index entries/scanned rows read)", per(self.tup_returned)));
         }
         s
     }
@@ -298,7 +300,7 @@ apiserver_request_total{code="201",component="apiserver",dry_run="",group="event
             "2.00 transactions, 3.0 rows fetched, 1.00 rows written per registration"
         );
         let scans = PgActivity { tup_returned: 50, ..Default::default() };
-        assert!(scans.per(100, "x").ends_with("(0.5 rows returned by scans)"));
+        assert!(scans.per(100, "x").ends_with("(0.5 index entries/scanned rows read)"));
         assert_eq!(a.since(&a), PgActivity::default());
     }
 }

@@ -47,6 +47,8 @@ pub struct Window {
     pub ops: u64,
     pub seconds: f64,
     pub latencies: Vec<Duration>,
+    /// Tasks that stopped at a failure before the window ended.
+    pub stopped: usize,
 }
 
 impl Window {
@@ -71,16 +73,18 @@ where
 {
     let op = Arc::new(op);
     let latencies = Arc::new(Mutex::new(Vec::new()));
+    let stopped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let start = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
         .map(|i| {
-            let (op, latencies) = (op.clone(), latencies.clone());
+            let (op, latencies, stopped) = (op.clone(), latencies.clone(), stopped.clone());
             tokio::spawn(async move {
                 let mut mine = Vec::new();
                 let mut n = 0u64;
                 while start.elapsed() < length {
                     let t = Instant::now();
                     if !op(i, n).await {
+                        stopped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         break;
                     }
                     mine.push(t.elapsed());
@@ -95,7 +99,12 @@ where
     }
     let seconds = start.elapsed().as_secs_f64();
     let latencies = std::mem::take(&mut *latencies.lock().unwrap_or_else(|e| e.into_inner()));
-    Window { ops: latencies.len() as u64, seconds, latencies }
+    let stopped = stopped.load(std::sync::atomic::Ordering::Relaxed);
+    if stopped > 0 {
+        // Its rate is low for a reason that is not speed: say so where it is printed.
+        eprintln!("warning: {stopped} of {concurrency} tasks stopped at a failure in a window");
+    }
+    Window { ops: latencies.len() as u64, seconds, latencies, stopped }
 }
 
 /// A window at CONCURRENCY for the configured length.
@@ -341,6 +350,7 @@ mod tests {
         let per_task = w.seconds / 0.010;
         assert!(w.ops >= 4 + 2 * 10 && (w.ops as f64) <= 4.0 + 2.0 * per_task + 2.0, "{} ops", w.ops);
         assert_eq!(w.latencies.len() as u64, w.ops);
+        assert_eq!(w.stopped, 1);
         assert!(w.latencies.iter().all(|l| *l >= Duration::from_millis(10)));
         assert!((w.rate() - w.ops as f64 / w.seconds).abs() < 1e-9);
     }
