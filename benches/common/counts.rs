@@ -78,6 +78,11 @@ impl PgActivity {
         if per(self.tup_returned) >= 0.05 {
             s.push_str(&format!(" ({:.1} index entries/scanned rows read)", per(self.tup_returned)));
         }
+        // Rounded to nothing is not nothing: the totals show what coalescing left.
+        s.push_str(&format!(
+            "; in all {} transactions, {written} rows written for {ops} {op}s",
+            self.xact_commit + self.xact_rollback
+        ));
         s
     }
 }
@@ -297,10 +302,11 @@ apiserver_request_total{code="201",component="apiserver",dry_run="",group="event
         let a = PgActivity { xact_commit: 200, tup_fetched: 300, tup_inserted: 100, ..Default::default() };
         assert_eq!(
             a.per(100, "registration"),
-            "2.00 transactions, 3.0 rows fetched, 1.00 rows written per registration"
+            "2.00 transactions, 3.0 rows fetched, 1.00 rows written per registration; \
+             in all 200 transactions, 100 rows written for 100 registrations"
         );
         let scans = PgActivity { tup_returned: 50, ..Default::default() };
-        assert!(scans.per(100, "x").ends_with("(0.5 index entries/scanned rows read)"));
+        assert!(scans.per(100, "x").contains("(0.5 index entries/scanned rows read); in all 0 transactions"));
         assert_eq!(a.since(&a), PgActivity::default());
     }
 }
