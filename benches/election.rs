@@ -64,12 +64,7 @@ fn part(name: &str) -> bool {
 
 /// Both databases' counters once every backend has published them.
 async fn settled(a: &support::TestDb, b: &support::TestDb) -> (PgActivity, PgActivity) {
-    tokio::time::sleep(common::counts::PG_STATS_DELAY).await;
-    let read = |db: &support::TestDb| {
-        let pool = db.pool.clone();
-        async move { PgActivity::read(&pool).await.expect("read pg_stat_database") }
-    };
-    (read(a).await, read(b).await)
+    PgActivity::settled_pair(&a.pool, &b.pool).await.expect("read pg_stat_database")
 }
 
 #[tokio::main]

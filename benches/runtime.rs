@@ -84,13 +84,9 @@ fn totals(side: &[(Window, RedisActivity)]) -> (Vec<Window>, u64, RedisActivity)
     (windows, ops, redis)
 }
 
-/// The counters of both databases once every backend has published them.
+/// Both databases' counters once every backend has published them.
 async fn settled(a: &support::TestDb, b: &support::TestDb) -> (PgActivity, PgActivity) {
-    tokio::time::sleep(common::counts::PG_STATS_DELAY).await;
-    (
-        PgActivity::read(&a.pool).await.expect("pg_stat_database"),
-        PgActivity::read(&b.pool).await.expect("pg_stat_database"),
-    )
+    PgActivity::settled_pair(&a.pool, &b.pool).await.expect("read pg_stat_database")
 }
 
 #[tokio::main]

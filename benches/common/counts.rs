@@ -21,7 +21,7 @@ use std::time::Duration;
 pub const PG_STATS_DELAY: Duration = Duration::from_secs(11);
 
 /// What Postgres counted for one database.
-#[derive(Clone, Copy, Debug, Default, PartialEq, sqlx::FromRow)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct PgActivity {
     pub xact_commit: i64,
     pub xact_rollback: i64,
@@ -30,17 +30,38 @@ pub struct PgActivity {
     pub tup_inserted: i64,
     pub tup_updated: i64,
     pub tup_deleted: i64,
+    /// Entries read by each index and rows by each table's sequential scans
+    /// (pg_stat_user_indexes, pg_stat_user_tables): which one a large read is.
+    pub reads: BTreeMap<String, i64>,
 }
 
 impl PgActivity {
     /// The counters of the database `pool` is connected to, as published so far.
     pub async fn read(pool: &sqlx::PgPool) -> Result<PgActivity, sqlx::Error> {
-        sqlx::query_as(
-            "SELECT xact_commit, xact_rollback, tup_returned, tup_fetched, tup_inserted, tup_updated, tup_deleted
-             FROM pg_stat_database WHERE datname = current_database()",
+        let (xact_commit, xact_rollback, tup_returned, tup_fetched, tup_inserted, tup_updated, tup_deleted) =
+            sqlx::query_as(
+                "SELECT xact_commit, xact_rollback, tup_returned, tup_fetched, tup_inserted, tup_updated, tup_deleted
+                 FROM pg_stat_database WHERE datname = current_database()",
+            )
+            .fetch_one(pool)
+            .await?;
+        let reads: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT 'index ' || indexrelname, idx_tup_read FROM pg_stat_user_indexes
+             UNION ALL
+             SELECT 'seq scan ' || relname, seq_tup_read FROM pg_stat_user_tables",
         )
-        .fetch_one(pool)
-        .await
+        .fetch_all(pool)
+        .await?;
+        Ok(PgActivity {
+            xact_commit,
+            xact_rollback,
+            tup_returned,
+            tup_fetched,
+            tup_inserted,
+            tup_updated,
+            tup_deleted,
+            reads: reads.into_iter().collect(),
+        })
     }
 
     /// Waits until every backend of the database has published (see `PG_STATS_DELAY`),
@@ -48,6 +69,12 @@ impl PgActivity {
     pub async fn settled(pool: &sqlx::PgPool) -> Result<PgActivity, sqlx::Error> {
         tokio::time::sleep(PG_STATS_DELAY).await;
         Self::read(pool).await
+    }
+
+    /// `settled` for two databases (a side and its baseline) with one wait.
+    pub async fn settled_pair(a: &sqlx::PgPool, b: &sqlx::PgPool) -> Result<(PgActivity, PgActivity), sqlx::Error> {
+        tokio::time::sleep(PG_STATS_DELAY).await;
+        Ok((Self::read(a).await?, Self::read(b).await?))
     }
 
     pub fn since(&self, before: &PgActivity) -> PgActivity {
@@ -59,13 +86,19 @@ impl PgActivity {
             tup_inserted: self.tup_inserted - before.tup_inserted,
             tup_updated: self.tup_updated - before.tup_updated,
             tup_deleted: self.tup_deleted - before.tup_deleted,
+            reads: self
+                .reads
+                .iter()
+                .map(|(k, v)| (k.clone(), v - before.reads.get(k).copied().unwrap_or(0)))
+                .filter(|(_, v)| *v > 0)
+                .collect(),
         }
     }
 
     /// "1.00 transactions, 2.0 rows fetched, 1.0 rows written per op". Rows fetched are
     /// live rows an index scan fetched; `tup_returned` (index entries and sequential-scan
-    /// rows read) is shown when there are any: it is what grows when a query reads more
-    /// than it needs.
+    /// rows read) is shown when there are any, with the index or table that read most: it
+    /// is what grows when a query reads more than it needs.
     pub fn per(&self, ops: u64, op: &str) -> String {
         let per = |x: i64| x as f64 / (ops as f64).max(1.0);
         let written = self.tup_inserted + self.tup_updated + self.tup_deleted;
@@ -76,7 +109,11 @@ impl PgActivity {
             per(written)
         );
         if per(self.tup_returned) >= 0.05 {
-            s.push_str(&format!(" ({:.1} index entries/scanned rows read)", per(self.tup_returned)));
+            s.push_str(&format!(" ({:.1} index entries/scanned rows read", per(self.tup_returned)));
+            if let Some((most, n)) = self.reads.iter().max_by_key(|(_, n)| **n) {
+                s.push_str(&format!(", most by {most}: {:.1}", per(*n)));
+            }
+            s.push(')');
         }
         // Rounded to nothing is not nothing: the totals show what coalescing left.
         s.push_str(&format!(
@@ -305,8 +342,18 @@ apiserver_request_total{code="201",component="apiserver",dry_run="",group="event
             "2.00 transactions, 3.0 rows fetched, 1.00 rows written per registration; \
              in all 200 transactions, 100 rows written for 100 registrations"
         );
-        let scans = PgActivity { tup_returned: 50, ..Default::default() };
-        assert!(scans.per(100, "x").contains("(0.5 index entries/scanned rows read); in all 0 transactions"));
+        let scans = PgActivity {
+            tup_returned: 50,
+            reads: [("index a".to_string(), 10), ("seq scan t".to_string(), 40)].into(),
+            ..Default::default()
+        };
+        assert!(
+            scans.per(100, "x").contains("(0.5 index entries/scanned rows read, most by seq scan t: 0.4); in all 0"),
+            "{}",
+            scans.per(100, "x")
+        );
+        let before = PgActivity { reads: [("index a".to_string(), 4)].into(), ..Default::default() };
+        assert_eq!(scans.since(&before).reads, [("index a".to_string(), 6), ("seq scan t".to_string(), 40)].into());
         assert_eq!(a.since(&a), PgActivity::default());
     }
 }
