@@ -109,9 +109,20 @@ async fn bench_registrations(db: &support::TestDb, raw_db: &support::TestDb) {
     // plain one.
     let pool = prism_operator::db::connect(&db.url).await.expect("operator pool");
     let before = settled(db, raw_db).await;
-    let sides = interleave(2, rounds(), |side, round| match side {
-        0 => store_registrations(&pool, round).boxed(),
-        _ => raw_registrations(raw_db, round).boxed(),
+    let sides = interleave(2, rounds(), |side, round| {
+        let (pool, db) = (&pool, if side == 0 { db } else { raw_db });
+        async move {
+            // The table grows by thousands of rows a second from empty, faster than
+            // autovacuum analyses it; plans made from no statistics then read every live
+            // row of the namespace (the counts below showed it). Both sides get current
+            // statistics before each window, as a table at steady state has them.
+            analyze(db, "controller_registrations").await;
+            match side {
+                0 => store_registrations(pool, round).await,
+                _ => raw_registrations(raw_db, round).await,
+            }
+        }
+        .boxed()
     })
     .await;
     let after = settled(db, raw_db).await;
@@ -120,6 +131,10 @@ async fn bench_registrations(db: &support::TestDb, raw_db: &support::TestDb) {
     println!("    ratio store/raw   {}", judged(&ratios(&rates(store), &rates(raw)), 2, Target::AtLeast(0.7)));
     println!("    counted, store:   {}", after.0.since(&before.0).per(ops(store), "registration"));
     println!("    counted, raw SQL: {}", after.1.since(&before.1).per(ops(raw), "registration"));
+}
+
+async fn analyze(db: &support::TestDb, table: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!("ANALYZE {table}"))).execute(&db.pool).await.expect("analyze");
 }
 
 fn ops(windows: &[Window]) -> u64 {
@@ -222,6 +237,9 @@ async fn bench_heartbeats(
     }
     let http = support::http();
     let ids = Arc::new(ids);
+    // (a) left thousands of rows that autovacuum may not have analysed yet.
+    analyze(db, "controller_registrations").await;
+    analyze(raw_db, "controller_registrations").await;
     let before = settled(db, raw_db).await;
     let sides = interleave(2, rounds(), |side, _| {
         let (h, base, tok, ns, pool, ids) =
