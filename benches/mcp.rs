@@ -3,91 +3,32 @@
 //! the same number of clients (target: MCP >= 0.5x the HTTP rate), and the p99 latency of
 //! both. MCP is measured in both protocol generations: the session-based one (an
 //! `Mcp-Session-Id` from `initialize`) and the stateless 2026-07-28 one (per-request
-//! `_meta` and headers). Windows alternate (HTTP, MCP, MCP, HTTP, ...) so that a drift of
-//! the machine's load shows in both.
+//! `_meta` and headers). Each round has one window of each kind, their order rotating
+//! from round to round (benches/common/measure.rs); a ratio is the median over the
+//! rounds of each round's MCP rate / HTTP rate.
 //!
 //!   scripts/bench mcp   (or: cargo bench --bench mcp, with the services up)
 
-// Only CONCURRENCY and WINDOW: this benchmark times each call, so it has its own loop.
-#[allow(dead_code)]
 mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use common::{CONCURRENCY, WINDOW};
+use common::counts::PgActivity;
+use common::measure::{
+    CONCURRENCY, Target, Window, interleave, judged, rate, rates, ratios, rounds, spread, window_length,
+};
+use futures::FutureExt;
 use serde_json::{Value, json};
 
-const ROUNDS: usize = 4;
 const ACCEPT: &str = "application/json, text/event-stream";
 
-/// One window: its length and the latency of each successful call.
-struct Window {
-    seconds: f64,
-    latencies: Vec<Duration>,
-}
-
-/// `op(task, n)` on CONCURRENCY tasks for WINDOW, as `common::rate` does, timing each
-/// call.
-async fn rate_and_latency<F, Fut>(op: F) -> Window
-where
-    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = bool> + Send,
-{
-    let op = Arc::new(op);
-    let latencies = Arc::new(Mutex::new(Vec::new()));
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..CONCURRENCY)
-        .map(|i| {
-            let (op, latencies) = (op.clone(), latencies.clone());
-            tokio::spawn(async move {
-                let mut mine = Vec::new();
-                let mut n = 0u64;
-                while start.elapsed() < WINDOW {
-                    let t = Instant::now();
-                    if !op(i, n).await {
-                        break;
-                    }
-                    mine.push(t.elapsed());
-                    n += 1;
-                }
-                latencies.lock().expect("latencies").extend(mine);
-            })
-        })
-        .collect();
-    for t in tasks {
-        let _ = t.await;
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    let latencies = std::mem::take(&mut *latencies.lock().expect("latencies"));
-    Window { seconds, latencies }
-}
-
-fn p99(latencies: &mut [Duration]) -> Duration {
-    latencies.sort();
-    latencies.get((latencies.len() * 99 / 100).min(latencies.len().saturating_sub(1))).copied().unwrap_or_default()
-}
-
-/// Totals over the rounds of one kind of call.
-#[derive(Default)]
-struct Tally {
-    calls: f64,
-    seconds: f64,
-    latencies: Vec<Duration>,
-}
-
-impl Tally {
-    fn add(&mut self, window: Window) {
-        self.calls += window.latencies.len() as f64;
-        self.seconds += window.seconds;
-        self.latencies.extend(window.latencies);
-    }
-
-    fn rate(&self) -> f64 {
-        self.calls / self.seconds.max(f64::MIN_POSITIVE)
-    }
+fn p99(windows: &[Window]) -> Duration {
+    let mut all: Vec<Duration> = windows.iter().flat_map(|w| w.latencies.iter().copied()).collect();
+    all.sort();
+    all.get((all.len() * 99 / 100).min(all.len().saturating_sub(1))).copied().unwrap_or_default()
 }
 
 /// A tools/call of prism_heartbeat that answered, and answered with a role.
@@ -105,8 +46,9 @@ async fn main() {
     let token = support::agent_token(cp, &ns, "bench", &["create"]);
     let http = support::http();
     println!(
-        "prism-operator MCP benchmark (concurrency {CONCURRENCY}, {}s windows, {ROUNDS} rounds)\n",
-        WINDOW.as_secs()
+        "prism-operator MCP benchmark (concurrency {CONCURRENCY}, {} rounds of {:.1}s windows per kind)\n",
+        rounds(),
+        window_length().as_secs_f64()
     );
 
     // One registered session per client, as the HTTP benchmark (election (b)) has.
@@ -215,37 +157,33 @@ async fn main() {
     assert!(legacy_call(0, 0).await, "MCP heartbeat (session-based)");
     assert!(modern_call(0, 0).await, "MCP heartbeat (2026-07-28)");
 
-    let (mut api, mut legacy, mut modern) = (Tally::default(), Tally::default(), Tally::default());
-    for round in 1..=ROUNDS {
-        let h = rate_and_latency(http_call.clone()).await;
-        let l = rate_and_latency(legacy_call.clone()).await;
-        let m = rate_and_latency(modern_call.clone()).await;
-        let r = |w: &Window| w.latencies.len() as f64 / w.seconds;
-        println!(
-            "round {round}: HTTP {:>7.0}/s   MCP session-based {:>7.0}/s ({:.2}x)   MCP 2026-07-28 {:>7.0}/s ({:.2}x)",
-            r(&h),
-            r(&l),
-            r(&l) / r(&h),
-            r(&m),
-            r(&m) / r(&h)
-        );
-        api.add(h);
-        legacy.add(l);
-        modern.add(m);
-    }
-    println!();
+    // Counted over all windows of all kinds together: they share one operator and one
+    // database, and Postgres publishes its counters too late to split them by window.
+    let pg_before = PgActivity::settled(&db.pool).await.expect("pg_stat_database");
+    let kinds = interleave(3, rounds(), |kind, _| match kind {
+        0 => rate(http_call.clone()).boxed(),
+        1 => rate(legacy_call.clone()).boxed(),
+        _ => rate(modern_call.clone()).boxed(),
+    })
+    .await;
+    let pg = PgActivity::settled(&db.pool).await.expect("pg_stat_database").since(&pg_before);
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let http_rate = api.rate();
-    let http_p99 = p99(&mut api.latencies);
-    println!("HTTP  POST /api/v1/controller/heartbeat       {http_rate:>8.0} calls/s   p99 {:>6.2} ms", ms(http_p99));
-    for (name, tally) in [("session-based (2025-11-25)", &mut legacy), ("stateless (2026-07-28)  ", &mut modern)] {
-        let rate = tally.rate();
+    let http_rates = rates(&kinds[0]);
+    println!(
+        "HTTP  POST /api/v1/controller/heartbeat        {} calls/s   p99 {:>5.2} ms",
+        spread(&http_rates, 0),
+        ms(p99(&kinds[0]))
+    );
+    for (name, windows) in [("session-based (2025-11-25)", &kinds[1]), ("stateless (2026-07-28)  ", &kinds[2])] {
         println!(
-            "MCP   prism_heartbeat, {name}  {rate:>8.0} calls/s   p99 {:>6.2} ms   ratio {:.2}x   (target >= 0.5x)",
-            ms(p99(&mut tally.latencies)),
-            rate / http_rate
+            "MCP   prism_heartbeat, {name}  {} calls/s   p99 {:>5.2} ms",
+            spread(&rates(windows), 0),
+            ms(p99(windows))
         );
+        println!("      ratio to HTTP  {}", judged(&ratios(&rates(windows), &http_rates), 2, Target::AtLeast(0.5)));
     }
+    let calls: u64 = kinds.iter().flatten().map(|w| w.ops).sum();
+    println!("counted, all kinds together: {}", pg.per(calls, "heartbeat"));
     let writes: i64 = sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE namespace = $1")
         .bind(&ns)
         .fetch_one(&db.pool)

@@ -197,6 +197,35 @@ async fn a_silent_run_goes_offline_within_the_lease_and_hello_again_works() {
     phase(&w.api, "srv-3-run", RunPhase::Online, 5).await;
 }
 
+/// `prism_runtime_runs_online` of the operator's /metrics, if it answers.
+async fn runs_online(w: &World) -> Option<i64> {
+    let text = support::http().get(w.op.url("/metrics")).send().await.ok()?.text().await.ok()?;
+    text.lines().find_map(|l| l.strip_prefix("prism_runtime_runs_online ")?.parse().ok())
+}
+
+/// A scrape counts live sessions in one pipeline per Redis master: Runs whose keys lie
+/// on every master of a cluster are each counted once, and a lease that expired is not.
+#[tokio::test]
+async fn runs_online_counts_each_live_session_once_on_every_master() {
+    let w = world("online", &[]).await;
+    let mut runs = Vec::new();
+    for i in 0..12 {
+        // Two leases of 5 s (the shortest allowed), to watch them end.
+        let lease = (i < 2).then_some(5);
+        runs.push(w.run(&format!("many-{i}-run"), &format!("many-{i}"), lease).await);
+    }
+    assert_eq!(runs_online(&w).await, Some(0));
+    // The slots of many-0 .. many-7 (13447 7894 12292 6741 15745 6096 14594 4947) lie on
+    // all three masters of the private cluster (PRISM_TEST_REDIS=cluster), the two that
+    // expire on two of them.
+    for run in runs.iter_mut().take(8) {
+        run.hello().await.expect("hello");
+    }
+    assert_eq!(runs_online(&w).await, Some(8));
+    let after = eventually(15, "the two 5 s leases end", || async { runs_online(&w).await.filter(|n| *n == 6) }).await;
+    assert_eq!(after, 6);
+}
+
 #[tokio::test]
 async fn jobs_go_to_their_own_target_and_cross_target_steps_are_refused() {
     let w = world("jobs", &[("PRISM_JOB_VISIBILITY_SECONDS", "2")]).await;

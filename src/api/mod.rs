@@ -119,13 +119,9 @@ async fn postgres_gauges(state: &AppState) -> Result<(), crate::db::QueryError> 
 }
 
 async fn runs_online_gauge(state: &AppState) -> Result<(), crate::run_registry::RegistryError> {
-    let mut online = 0;
-    for address in state.registry.identities.all_addresses().await? {
-        if state.registry.sessions.session(&address).await?.is_some() {
-            online += 1;
-        }
-    }
-    state.metrics.runs_online.set(online);
+    let addresses = state.registry.identities.all_addresses().await?;
+    let online = state.registry.sessions.count_live(&addresses).await?;
+    state.metrics.runs_online.set(i64::try_from(online).unwrap_or(i64::MAX));
     Ok(())
 }
 

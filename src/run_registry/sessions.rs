@@ -20,6 +20,7 @@ use chrono::{DateTime, Utc};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Script, Value};
 use uuid::Uuid;
 
@@ -172,19 +173,83 @@ fn tag_in_slots(start: u16, end: u16) -> Option<String> {
     (0..200_000u32).map(|n| n.to_string()).find(|t| (start..=end).contains(&(crc16(t.as_bytes()) % 16384)))
 }
 
+/// A range of slots and the master serving it, from `CLUSTER SLOTS`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SlotRange {
+    start: u16,
+    end: u16,
+    /// "host:port" of the master (a master may serve several ranges).
+    master: String,
+}
+
 /// The slot ranges of a `CLUSTER SLOTS` answer.
-fn slot_ranges(answer: &[Value]) -> Vec<(u16, u16)> {
+fn slot_ranges(answer: &[Value]) -> Vec<SlotRange> {
     let number = |v: &Value| match v {
         Value::Int(n) => u16::try_from(*n).ok(),
+        _ => None,
+    };
+    let master = |v: &Value| match v {
+        Value::Array(node) => match (node.first(), node.get(1)) {
+            (Some(Value::BulkString(host)), Some(Value::Int(port))) => {
+                Some(format!("{}:{port}", String::from_utf8_lossy(host)))
+            }
+            _ => None,
+        },
         _ => None,
     };
     answer
         .iter()
         .filter_map(|entry| match entry {
-            Value::Array(items) if items.len() >= 3 => Some((number(&items[0])?, number(&items[1])?)),
+            Value::Array(items) if items.len() >= 3 => Some(SlotRange {
+                start: number(&items[0])?,
+                end: number(&items[1])?,
+                master: master(&items[2]).unwrap_or_default(),
+            }),
             _ => None,
         })
         .collect()
+}
+
+/// The slot of a Run's keys: its hash tag is `server/component` (see `SessionStore::key`).
+fn address_slot(a: &RunAddress) -> u16 {
+    crc16(format!("{}/{}", a.server_instance_id, a.component_kind).as_bytes()) % CLUSTER_SLOTS as u16
+}
+
+/// Keys grouped by the master serving their slot, each group with one of its slots to
+/// route it by. Err: a slot no range covers.
+fn by_master(ranges: &[SlotRange], keys: Vec<(u16, String)>) -> Result<Vec<(u16, Vec<String>)>, u16> {
+    let mut groups: BTreeMap<&str, (u16, Vec<String>)> = BTreeMap::new();
+    for (slot, key) in keys {
+        let range = ranges.iter().find(|r| (r.start..=r.end).contains(&slot)).ok_or(slot)?;
+        groups.entry(range.master.as_str()).or_insert_with(|| (slot, Vec::new())).1.push(key);
+    }
+    Ok(groups.into_values().collect())
+}
+
+/// EXISTS of each key, in one pipeline.
+fn exists_pipeline(keys: &[String]) -> Pipeline {
+    let mut pipe = redis::pipe();
+    for key in keys {
+        pipe.exists(key);
+    }
+    pipe
+}
+
+/// How many EXISTS of a pipeline answered 1.
+fn existing(answers: Vec<Value>) -> Result<usize, RegistryError> {
+    let mut n = 0;
+    for answer in answers {
+        match answer {
+            Value::Int(found) => n += usize::from(found > 0),
+            Value::ServerError(e) => return Err(redis::RedisError::from(e)).step("runs online: count live sessions"),
+            other => {
+                let e =
+                    redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "EXISTS", format!("{other:?}")));
+                return Err(e).step("runs online: count live sessions");
+            }
+        }
+    }
+    Ok(n)
 }
 
 /// The one connection to Redis, whichever kind. Both kinds connect lazily and reconnect
@@ -239,6 +304,20 @@ impl ClusterHandle {
             tracing::warn!(generation, "Redis Cluster connection has no node left; dialling the seed nodes again");
             *current = (generation + 1, self.0.client.get_pending_async_connection_with_config(self.0.config.clone()));
         }
+    }
+}
+
+impl ClusterHandle {
+    /// A pipeline sent to the node serving `slot`, whatever slots its keys are on (the
+    /// caller grouped them by master), replacing a stuck connection as every request does.
+    async fn pipeline_to_slot(&self, pipeline: Pipeline, count: usize, slot: u16) -> Result<Vec<Value>, RedisError> {
+        let (generation, mut conn) = self.connection();
+        let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+        let answer = conn.route_pipeline(pipeline, 0, count, route).await;
+        if let Err(e) = &answer {
+            self.after_error(generation, e);
+        }
+        answer
     }
 }
 
@@ -459,15 +538,15 @@ impl SessionStore {
         let answer: Vec<Value> =
             redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn.clone()).await.step("read the slot map")?;
         let ranges = slot_ranges(&answer);
-        let covered: u32 = ranges.iter().map(|(a, b)| u32::from(b.saturating_sub(*a)) + 1).sum();
+        let covered: u32 = ranges.iter().map(|r| u32::from(r.end.saturating_sub(r.start)) + 1).sum();
         if covered < CLUSTER_SLOTS {
             return Err(RegistryError::Unavailable(format!(
                 "{} of {CLUSTER_SLOTS} cluster slots have no master",
                 CLUSTER_SLOTS - covered
             )));
         }
-        let probes = ranges.iter().filter_map(|(start, end)| {
-            let key = format!("{}:probe:{{{}}}", self.prefix, tag_in_slots(*start, *end)?);
+        let probes = ranges.iter().filter_map(|r| {
+            let key = format!("{}:probe:{{{}}}", self.prefix, tag_in_slots(r.start, r.end)?);
             let mut conn = conn.clone();
             Some(async move {
                 let _: bool = redis::cmd("EXISTS").arg(key).query_async(&mut conn).await.step("reach every master")?;
@@ -569,6 +648,52 @@ impl SessionStore {
         SessionFields::new(a, list).session().map(Some)
     }
 
+    /// How many of these addresses have a live session (the runs-online gauge): EXISTS of
+    /// each session key, one pipeline per Redis master, so a scrape waits for one round
+    /// trip per master however many Runs there are. (It was one read per identity, one
+    /// after another: about a second at 10,000.) A lease counter kept by the scripts
+    /// cannot do this: a lease ends by expiring, with no script running, and a cluster
+    /// script cannot touch a key outside its Run's slot. A cached gauge would only make
+    /// the same cost rarer, and the number stale.
+    pub async fn count_live(&self, addresses: &[RunAddress]) -> Result<usize, RegistryError> {
+        if addresses.is_empty() {
+            return Ok(0);
+        }
+        match &self.conn {
+            Connection::Standalone(conn) => {
+                let keys: Vec<String> = addresses.iter().map(|a| self.key(a, "session")).collect();
+                let pipe = exists_pipeline(&keys);
+                let answers = conn
+                    .clone()
+                    .req_packed_commands(&pipe, 0, keys.len())
+                    .await
+                    .step("runs online: count live sessions")?;
+                existing(answers)
+            }
+            Connection::Cluster(conn) => {
+                // A pipeline goes to one node: group the keys by the master of their slot.
+                // Should the slot map change in between, a moved key's answer is an
+                // error and this scrape reports nothing new (the next one will).
+                let answer: Vec<Value> = redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query_async(&mut conn.clone())
+                    .await
+                    .step("runs online: read the slot map")?;
+                let keys = addresses.iter().map(|a| (address_slot(a), self.key(a, "session"))).collect();
+                let groups = by_master(&slot_ranges(&answer), keys)
+                    .map_err(|slot| RegistryError::Unavailable(format!("cluster slot {slot} has no master")))?;
+                let counts = groups.into_iter().map(|(slot, keys)| async move {
+                    let answers = conn
+                        .pipeline_to_slot(exists_pipeline(&keys), keys.len(), slot)
+                        .await
+                        .step("runs online: count live sessions on a master")?;
+                    existing(answers)
+                });
+                Ok(futures::future::try_join_all(counts).await?.into_iter().sum())
+            }
+        }
+    }
+
     /// Ends an address's live session at once (credential rotated, resource deleted).
     /// Returns whether there was one.
     pub async fn revoke(&self, a: &RunAddress) -> Result<bool, RegistryError> {
@@ -660,7 +785,36 @@ mod tests {
             Value::Array(vec![Value::Int(5461), Value::Int(16383), Value::Array(vec![]), Value::Array(vec![])]),
             Value::Nil,
         ];
-        assert_eq!(slot_ranges(&answer), [(0, 5460), (5461, 16383)]);
+        let bounds: Vec<(u16, u16)> = slot_ranges(&answer).iter().map(|r| (r.start, r.end)).collect();
+        assert_eq!(bounds, [(0, 5460), (5461, 16383)]);
+    }
+
+    #[test]
+    fn keys_are_grouped_by_the_master_of_their_slot() {
+        let node = |host: &str, port: i64| Value::Array(vec![Value::BulkString(host.into()), Value::Int(port)]);
+        let answer = vec![
+            Value::Array(vec![Value::Int(0), Value::Int(5460), node("10.0.0.1", 7001), node("10.0.0.4", 7004)]),
+            Value::Array(vec![Value::Int(5461), Value::Int(10922), node("10.0.0.2", 7002)]),
+            Value::Array(vec![Value::Int(10923), Value::Int(16383), node("10.0.0.1", 7001)]),
+        ];
+        let ranges = slot_ranges(&answer);
+        assert_eq!(ranges[0].master, "10.0.0.1:7001");
+        let keys = vec![(12, "a".to_string()), (6000, "b".into()), (16000, "c".into()), (5460, "d".into())];
+        let groups = by_master(&ranges, keys).expect("every slot covered");
+        // Two masters: the first serves two ranges, so one pipeline carries a, c and d.
+        assert_eq!(groups, [(12, vec!["a".to_string(), "c".into(), "d".into()]), (6000, vec!["b".to_string()])]);
+        assert_eq!(by_master(&ranges[..2], vec![(16000, "c".into())]), Err(16000));
+
+        // A Run's slot is its hash tag's, as Redis computes it for its keys.
+        let a = RunAddress { server_instance_id: "srv-eu1.7".into(), component_kind: "run".into() };
+        assert_eq!(address_slot(&a), crc16(b"srv-eu1.7/run") % 16384);
+    }
+
+    #[test]
+    fn exists_answers_count_and_errors_name_the_step() {
+        assert_eq!(existing(vec![Value::Int(1), Value::Int(0), Value::Int(1)]).expect("count"), 2);
+        let err = existing(vec![Value::Int(1), Value::Nil]).expect_err("not a number");
+        assert!(err.to_string().contains("runs online: count live sessions"), "{err}");
     }
 
     #[test]
