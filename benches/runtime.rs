@@ -32,25 +32,17 @@ use common::measure::{
 };
 use futures::FutureExt;
 use kube::Api;
-use kube::api::PostParams;
 use prism_operator::config::RedisEndpoint;
-use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec};
-use prism_operator::run_client::{self, RunClient};
+use prism_operator::crd::{RunPhase, RunSession};
+use prism_operator::run_client::RunClient;
 use prism_operator::run_registry::service::token_hash;
 use prism_operator::run_registry::{RunAddress, SessionStore};
 
 async fn runs(api: &Api<RunSession>, base: &str, prefix: &str, n: usize, lease: Option<i32>) -> Vec<RunClient> {
     let mut out = Vec::new();
     for i in 0..n {
-        let (key, public) = run_client::new_key().expect("key");
         let server = format!("{prefix}-{i}");
-        let spec = RunSessionSpec {
-            server_instance_id: server.clone(),
-            component_kind: "run".into(),
-            credential: RunCredential { public_key: public, generation: 1 },
-            lease_seconds: lease,
-        };
-        api.create(&PostParams::default(), &RunSession::new(&server, spec)).await.expect("create");
+        let key = support::create_run_session(api, &server, &server, lease).await;
         out.push(RunClient::new(base, &server, "run", 1, key));
     }
     for run in &mut out {

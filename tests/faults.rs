@@ -164,9 +164,8 @@ async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
 /// told of), lost answers only delay a job (its visibility timeout gives it back).
 #[tokio::test]
 async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
-    use kube::api::PostParams;
-    use prism_operator::crd::{RunCredential, RunSession, RunSessionSpec};
-    use prism_operator::run_client::{self, RunClient};
+    use prism_operator::crd::RunSession;
+    use prism_operator::run_client::RunClient;
 
     const JOBS: usize = 300;
     let cp = control_plane();
@@ -186,15 +185,8 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
         ],
     )
     .await;
-    let (key, public) = run_client::new_key().expect("key");
-    let spec = RunSessionSpec {
-        server_instance_id: "srv-pgf".into(),
-        component_kind: "run".into(),
-        credential: RunCredential { public_key: public, generation: 1 },
-        lease_seconds: None,
-    };
     let api: kube::Api<RunSession> = kube::Api::namespaced(client.clone(), &ns);
-    api.create(&PostParams::default(), &RunSession::new("srv-pgf-run", spec)).await.expect("create RunSession");
+    let key = support::create_run_session(&api, "srv-pgf-run", "srv-pgf", None).await;
     support::eventually(10, "identity mirrored", || async {
         let n: i64 = sqlx::query_scalar("SELECT count(*) FROM run_identities WHERE server_instance_id = 'srv-pgf'")
             .fetch_one(&db.pool)
@@ -327,8 +319,6 @@ async fn a_postgres_restart_mid_storm_leaves_no_half_applied_change() {
 /// takes the Lease; afterwards everything holds as after the Postgres faults.
 #[tokio::test]
 async fn the_leader_killed_mid_storm_leaves_no_half_applied_change() {
-    use k8s_openapi::api::coordination::v1::Lease;
-
     let seed = faults::seed();
     let cp = control_plane();
     let client = cp.client().await;
@@ -340,16 +330,7 @@ async fn the_leader_killed_mid_storm_leaves_no_half_applied_change() {
     };
     let mut replicas = [Some(start("faults-a").await), Some(start("faults-b").await)];
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
-    let leases: kube::Api<Lease> = kube::Api::namespaced(client.clone(), support::OPERATOR_NAMESPACE);
-    let holder = || async {
-        leases
-            .get_opt("prism-operator-leader")
-            .await
-            .ok()
-            .flatten()
-            .and_then(|l| l.spec)
-            .and_then(|s| s.holder_identity)
-    };
+    let holder = || support::lease_holder(&client);
     let first = support::eventually(30, "a replica holds the Lease", || async { holder().await }).await;
     let leader = if first == "faults-a" { 0 } else { 1 };
     let bases: Vec<String> = replicas.iter().flatten().map(|op| op.base.clone()).collect();

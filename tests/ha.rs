@@ -14,7 +14,7 @@ use kube::api::PostParams;
 use prism_operator::crd::{AgentSurface, ControllerRegistration, Role};
 use support::{Operator, TestDb, control_plane, creg, eventually, role};
 
-const LEASE: &str = "prism-operator-leader";
+const LEASE: &str = support::LEADER_LEASE;
 
 /// One look at the cluster, taken by the sampler every few tens of milliseconds.
 #[derive(Clone, Debug)]

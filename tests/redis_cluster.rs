@@ -16,8 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kube::Api;
-use kube::api::PostParams;
-use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec};
+use prism_operator::crd::{RunPhase, RunSession};
 use prism_operator::run_client::{self, RunClient};
 use serde_json::Value;
 use support::{Operator, TestDb, control_plane, eventually, info_field, phase, redis_cli};
@@ -342,14 +341,7 @@ async fn under_fault(hint: &str, fault: Fault) {
     let mut runs = vec![];
     for i in 0..RUNS {
         let server = format!("srv-{hint}-{i}");
-        let (key, public) = run_client::new_key().expect("key");
-        let spec = RunSessionSpec {
-            server_instance_id: server.clone(),
-            component_kind: "run".into(),
-            credential: RunCredential { public_key: public, generation: 1 },
-            lease_seconds: None,
-        };
-        api.create(&PostParams::default(), &RunSession::new(&server, spec)).await.expect("create RunSession");
+        let key = support::create_run_session(&api, &server, &server, None).await;
         runs.push((server.clone(), RunClient::new(&op.base, &server, "run", 1, key)));
         sqlx::query(
             "INSERT INTO runtime_jobs (server_instance_id, component_kind, kind, payload)
@@ -626,14 +618,7 @@ async fn a_whole_cluster_restart_is_recovered_without_an_operator_restart() {
     let mut run = None;
     for i in 0..8 {
         let server = format!("srv-rcrestart-{i}");
-        let (key, public) = run_client::new_key().expect("key");
-        let spec = RunSessionSpec {
-            server_instance_id: server.clone(),
-            component_kind: "run".into(),
-            credential: RunCredential { public_key: public, generation: 1 },
-            lease_seconds: None,
-        };
-        api.create(&PostParams::default(), &RunSession::new(&server, spec)).await.expect("create RunSession");
+        let key = support::create_run_session(&api, &server, &server, None).await;
         let mut r = RunClient::new(&op.base, &server, "run", 1, key);
         let started = Instant::now();
         while let Err(e) = r.hello().await {
@@ -696,7 +681,15 @@ async fn a_whole_cluster_restart_is_recovered_without_an_operator_restart() {
     // met a connection still being redialled). A stuck client would refuse for good.
     let started = Instant::now();
     while let Err(e) = run.hello().await {
-        assert!(started.elapsed() < Duration::from_secs(20), "a hello within 20 s of the last restart: {e}");
+        if started.elapsed() > Duration::from_secs(20) {
+            // What the operator said of Redis: the case to read if the client is stuck.
+            let logs = op.logs();
+            let redis: Vec<&str> = logs.lines().filter(|l| l.contains("Redis") || l.contains("redis")).collect();
+            panic!(
+                "no hello within 20 s of the last restart: {e}\n{}",
+                redis[redis.len().saturating_sub(30)..].join("\n")
+            );
+        }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     println!("hello again after {:.1} s", started.elapsed().as_secs_f64());

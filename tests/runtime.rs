@@ -43,14 +43,7 @@ async fn world(hint: &str, env: &[(&str, &str)]) -> World {
 impl World {
     /// A RunSession with a fresh key, and a client holding that key.
     async fn run(&self, name: &str, server: &str, lease: Option<i32>) -> RunClient {
-        let (key, public) = run_client::new_key().expect("key");
-        let spec = RunSessionSpec {
-            server_instance_id: server.into(),
-            component_kind: "run".into(),
-            credential: RunCredential { public_key: public, generation: 1 },
-            lease_seconds: lease,
-        };
-        self.api.create(&PostParams::default(), &RunSession::new(name, spec)).await.expect("create RunSession");
+        let key = support::create_run_session(&self.api, name, server, lease).await;
         eventually(10, "identity mirrored", || async {
             let n: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM run_identities WHERE server_instance_id = $1 AND revoked_at IS NULL",

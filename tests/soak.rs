@@ -33,11 +33,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use kube::api::{ListParams, PostParams};
-use prism_operator::crd::{ControllerRegistration, Role, RunCredential, RunSession, RunSessionSpec};
-use prism_operator::run_client::{self, ClientError, RunClient};
+use kube::api::ListParams;
+use prism_operator::crd::{ControllerRegistration, Role, RunSession};
+use prism_operator::run_client::{ClientError, RunClient};
 use serde_json::{Value, json};
 use support::faults::{Lcg, backend_killer};
 use support::{ControlPlane, Operator, PrivatePostgres, PrivateRedis, control_plane};
@@ -173,15 +172,7 @@ impl Fleet {
     }
 
     async fn holder(&self) -> Option<String> {
-        let client = self.cp.client().await;
-        let leases: Api<Lease> = Api::namespaced(client, support::OPERATOR_NAMESPACE);
-        leases
-            .get_opt("prism-operator-leader")
-            .await
-            .ok()
-            .flatten()
-            .and_then(|l| l.spec)
-            .and_then(|s| s.holder_identity)
+        support::lease_holder(&self.cp.client().await).await
     }
 
     fn index_of(&self, name: &str) -> Option<usize> {
@@ -639,17 +630,8 @@ async fn the_fault_harness() {
     let runs: Api<RunSession> = Api::namespaced(client.clone(), &ns);
     let mut keys = Vec::new();
     for i in 0..settings.runs {
-        let (key, public) = run_client::new_key().expect("key");
-        let spec = RunSessionSpec {
-            server_instance_id: format!("srv-soak-{i}"),
-            component_kind: "run".into(),
-            credential: RunCredential { public_key: public, generation: 1 },
-            lease_seconds: None,
-        };
-        runs.create(&PostParams::default(), &RunSession::new(&format!("srv-soak-{i}"), spec))
-            .await
-            .expect("RunSession");
-        keys.push(key);
+        let server = format!("srv-soak-{i}");
+        keys.push(support::create_run_session(&runs, &server, &server, None).await);
     }
     let db = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url).await.expect("connect");
     support::eventually(60, "every Run identity mirrored", || async {

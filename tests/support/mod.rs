@@ -960,6 +960,35 @@ impl Drop for PrivateRedis {
     }
 }
 
+/// The name of the operator replicas' leader-election Lease (in OPERATOR_NAMESPACE).
+pub const LEADER_LEASE: &str = "prism-operator-leader";
+
+/// Who holds the replicas' leader-election Lease now, if anyone (None also when it
+/// cannot be read).
+pub async fn lease_holder(client: &Client) -> Option<String> {
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> = Api::namespaced(client.clone(), OPERATOR_NAMESPACE);
+    leases.get_opt(LEADER_LEASE).await.ok().flatten()?.spec?.holder_identity
+}
+
+/// Creates RunSession `name` for (`server`, `run`) with a fresh key of generation 1 and
+/// the given lease; returns the key, for the Run's client.
+pub async fn create_run_session(
+    api: &Api<RunSession>,
+    name: &str,
+    server: &str,
+    lease_seconds: Option<i32>,
+) -> ed25519_dalek::SigningKey {
+    let (key, public) = prism_operator::run_client::new_key().expect("key");
+    let spec = prism_operator::crd::RunSessionSpec {
+        server_instance_id: server.into(),
+        component_kind: "run".into(),
+        credential: prism_operator::crd::RunCredential { public_key: public, generation: 1 },
+        lease_seconds,
+    };
+    api.create(&Default::default(), &RunSession::new(name, spec)).await.expect("create RunSession");
+    key
+}
+
 /// The virtualenv python with the pinned official MCP SDK (scripts/mcp-sdk installs it on
 /// first use), which runs tests/mcp/*.py.
 pub fn mcp_python() -> &'static PathBuf {
