@@ -117,14 +117,9 @@ async fn after_the_storm(op: &Operator, token: &str, ns: &str, db_url: &str, ack
         assert!(n >= 1, "acknowledged registration of {session} on {project} is in the database");
     }
     pool.close().await;
-    let out = std::process::Command::new("python3")
-        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
-        .args([db_url, "--namespace-prefix", ns])
-        .output()
-        .expect("run the checker");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (ok, stdout) = faults::check_invariants(db_url, &["--namespace-prefix", ns]);
     println!("{stdout}");
-    assert!(out.status.success(), "invariants after {what}:\n{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(ok, "invariants after {what}:\n{stdout}");
 }
 
 #[tokio::test]
@@ -276,15 +271,11 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
 
     let file = std::env::temp_dir().join(format!("prism-completions-{}", uuid::Uuid::new_v4().simple()));
     std::fs::write(&file, completions.join("\n")).expect("write completions");
-    let out = std::process::Command::new("python3")
-        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
-        .args([&db.url, "--namespace-prefix", &ns, "--completions", file.to_str().expect("utf-8")])
-        .output()
-        .expect("run the checker");
+    let (ok, stdout) =
+        faults::check_invariants(&db.url, &["--namespace-prefix", &ns, "--completions", file.to_str().expect("utf-8")]);
     let _ = std::fs::remove_file(&file);
-    let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
-    assert!(out.status.success(), "invariants after backend kills during claims:\n{stdout}");
+    assert!(ok, "invariants after backend kills during claims:\n{stdout}");
 }
 
 /// A Postgres restart in the middle of the storm: calls during the outage are refused

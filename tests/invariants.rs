@@ -10,19 +10,7 @@ use support::{Operator, TestDb, control_plane};
 
 /// Runs the checker; returns (exit success, stdout).
 fn check(db_url: &str, args: &[&str]) -> (bool, String) {
-    let out = std::process::Command::new("python3")
-        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
-        .arg(db_url)
-        .args(args)
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.code().is_some_and(|c| c <= 1),
-        "checker crashed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), stdout)
+    support::faults::check_invariants(db_url, args)
 }
 
 #[tokio::test]

@@ -564,17 +564,6 @@ async fn inject(fault: Fault, rng: &mut Lcg, stage: &mut Stage) -> String {
 
 // --- The harness ------------------------------------------------------------------------
 
-fn checker(db_url: &str, args: &[&str]) -> (bool, String) {
-    let out = std::process::Command::new("python3")
-        .arg(support::repo_root().join("tests/faults/check_invariants.py"))
-        .arg(db_url)
-        .args(args)
-        .output()
-        .expect("run the checker");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.success(), text)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "the fault harness: scripts/soak runs it (scripts/test for a few minutes)"]
 async fn the_fault_harness() {
@@ -641,7 +630,7 @@ async fn the_fault_harness() {
     .await;
     let durable = std::env::temp_dir().join(format!("prism-soak-durable-{}", uuid::Uuid::new_v4().simple()));
     let durable = durable.to_str().expect("utf-8").to_string();
-    let (ok, out) = checker(&pg.url, &["--save-durable", &durable]);
+    let (ok, out) = support::faults::check_invariants(&pg.url, &["--save-durable", &durable]);
     assert!(ok, "save the durable rows: {out}");
 
     // The load.
@@ -924,7 +913,7 @@ async fn the_fault_harness() {
     // The independent checker.
     let file = std::env::temp_dir().join(format!("prism-soak-completions-{}", uuid::Uuid::new_v4().simple()));
     std::fs::write(&file, completions.join("\n")).expect("write completions");
-    let (ok, out) = checker(
+    let (ok, out) = support::faults::check_invariants(
         &pg.url,
         &["--namespace-prefix", &ns, "--completions", file.to_str().expect("utf-8"), "--durable-before", &durable],
     );

@@ -35,6 +35,25 @@ pub fn seed() -> u64 {
     std::env::var("PRISM_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261130)
 }
 
+/// Runs the independent invariant checker (tests/faults/check_invariants.py: psql and
+/// SPEC §10, no code of the operator) on `db_url` with `args`; returns whether every
+/// invariant held and what it printed. A crash of the checker itself fails the test.
+pub fn check_invariants(db_url: &str, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new("python3")
+        .arg(super::repo_root().join("tests/faults/check_invariants.py"))
+        .arg(db_url)
+        .args(args)
+        .output()
+        .expect("run the checker (python3)");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.code().is_some_and(|c| c <= 1),
+        "the checker crashed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), stdout)
+}
+
 /// Ends every backend of database `name` each `every` until `stop` is set; counts them.
 /// It works through `admin_url` (another database of the same server): its own connection
 /// is not among those it ends.
