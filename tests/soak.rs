@@ -22,8 +22,9 @@
 //! invariants, each acknowledged completion once, and no durable row changed.
 //!
 //! `scripts/soak --minutes N` runs it for people; scripts/test runs it for a few minutes.
-//! Without PRISM_SOAK_SECONDS it is skipped by `cargo test` (it is #[ignore]d): the soak
-//! script runs it on purpose, with the release binary.
+//! Plain `cargo test` leaves it out (#[ignore]: minutes long, on the release binary);
+//! scripts/soak runs it with `--ignored`, and scripts/test (so CI) runs scripts/soak. It
+//! never skips itself: a missing service fails it.
 
 mod support;
 
