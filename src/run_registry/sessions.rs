@@ -178,8 +178,17 @@ fn tag_in_slots(start: u16, end: u16) -> Option<String> {
 struct SlotRange {
     start: u16,
     end: u16,
-    /// "host:port" of the master (a master may serve several ranges).
-    master: String,
+    /// "host:port" of the master (a master may serve several ranges); None when the
+    /// answer did not say it in a shape we read, and then the range is a group of its own
+    /// rather than merged with other unreadable ones (which may be other masters).
+    master: Option<String>,
+}
+
+/// What keys are grouped by for one round trip: their master, or their range alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Group<'a> {
+    Master(&'a str),
+    Range(u16),
 }
 
 /// The slot ranges of a `CLUSTER SLOTS` answer.
@@ -200,11 +209,9 @@ fn slot_ranges(answer: &[Value]) -> Vec<SlotRange> {
     answer
         .iter()
         .filter_map(|entry| match entry {
-            Value::Array(items) if items.len() >= 3 => Some(SlotRange {
-                start: number(&items[0])?,
-                end: number(&items[1])?,
-                master: master(&items[2]).unwrap_or_default(),
-            }),
+            Value::Array(items) if items.len() >= 3 => {
+                Some(SlotRange { start: number(&items[0])?, end: number(&items[1])?, master: master(&items[2]) })
+            }
             _ => None,
         })
         .collect()
@@ -218,10 +225,11 @@ fn address_slot(a: &RunAddress) -> u16 {
 /// Keys grouped by the master serving their slot, each group with one of its slots to
 /// route it by. Err: a slot no range covers.
 fn by_master(ranges: &[SlotRange], keys: Vec<(u16, String)>) -> Result<Vec<(u16, Vec<String>)>, u16> {
-    let mut groups: BTreeMap<&str, (u16, Vec<String>)> = BTreeMap::new();
+    let mut groups: BTreeMap<Group, (u16, Vec<String>)> = BTreeMap::new();
     for (slot, key) in keys {
         let range = ranges.iter().find(|r| (r.start..=r.end).contains(&slot)).ok_or(slot)?;
-        groups.entry(range.master.as_str()).or_insert_with(|| (slot, Vec::new())).1.push(key);
+        let group = range.master.as_deref().map_or(Group::Range(range.start), Group::Master);
+        groups.entry(group).or_insert_with(|| (slot, Vec::new())).1.push(key);
     }
     Ok(groups.into_values().collect())
 }
@@ -798,12 +806,23 @@ mod tests {
             Value::Array(vec![Value::Int(10923), Value::Int(16383), node("10.0.0.1", 7001)]),
         ];
         let ranges = slot_ranges(&answer);
-        assert_eq!(ranges[0].master, "10.0.0.1:7001");
+        assert_eq!(ranges[0].master.as_deref(), Some("10.0.0.1:7001"));
         let keys = vec![(12, "a".to_string()), (6000, "b".into()), (16000, "c".into()), (5460, "d".into())];
         let groups = by_master(&ranges, keys).expect("every slot covered");
         // Two masters: the first serves two ranges, so one pipeline carries a, c and d.
         assert_eq!(groups, [(12, vec!["a".to_string(), "c".into(), "d".into()]), (6000, vec!["b".to_string()])]);
         assert_eq!(by_master(&ranges[..2], vec![(16000, "c".into())]), Err(16000));
+
+        // Ranges whose master is in no shape we read are not merged into one group (they
+        // may be different masters): each is a round trip of its own.
+        let unreadable = vec![
+            Value::Array(vec![Value::Int(0), Value::Int(8000), Value::Array(vec![])]),
+            Value::Array(vec![Value::Int(8001), Value::Int(16383), Value::Nil]),
+        ];
+        let ranges = slot_ranges(&unreadable);
+        assert_eq!(ranges[0].master, None);
+        let groups = by_master(&ranges, vec![(1, "a".into()), (9000, "b".into()), (2, "c".into())]).expect("covered");
+        assert_eq!(groups, [(1, vec!["a".to_string(), "c".into()]), (9000, vec!["b".to_string()])]);
 
         // A Run's slot is its hash tag's, as Redis computes it for its keys.
         let a = RunAddress { server_instance_id: "srv-eu1.7".into(), component_kind: "run".into() };
