@@ -14,6 +14,7 @@ use crate::db::{Step as _, text_enum};
 
 text_enum! {
     /// What a job asks the Run to do (SPEC §8; also a Postgres CHECK constraint).
+    #[derive(utoipa::ToSchema)]
     pub enum JobKind {
         Lifecycle = "lifecycle",
         Config = "config",
@@ -25,6 +26,7 @@ text_enum! {
 
 text_enum! {
     /// Where a job is in its life (SPEC §5; also a Postgres CHECK constraint).
+    #[derive(utoipa::ToSchema)]
     pub enum JobState {
         Queued = "queued",
         Claimed = "claimed",
@@ -35,7 +37,7 @@ text_enum! {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Job {
     pub id: Uuid,
     pub server_instance_id: String,

@@ -25,8 +25,10 @@ pub fn nonce_ok(nonce: &str) -> bool {
     (16..=128).contains(&nonce.len()) && nonce.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
 }
 
+/// Any i64 is the caller's to send: the difference is taken without overflow (i64::MIN
+/// minus a positive `now` would panic in a debug build and wrap in a release one).
 pub fn within_clock_window(timestamp: i64, now: i64) -> bool {
-    (timestamp - now).abs() <= CLOCK_WINDOW_SECS
+    timestamp.abs_diff(now) <= CLOCK_WINDOW_SECS.unsigned_abs()
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
