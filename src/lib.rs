@@ -23,6 +23,10 @@ pub mod db;
 pub mod telemetry;
 pub mod time;
 
+// Strategies for the property tests of every input (tests only).
+#[cfg(test)]
+pub(crate) mod any_input;
+
 /// Selects ring as the process's TLS provider for every client (kube, sqlx, reqwest),
 /// whatever features dependencies enable. Idempotent; call before building clients.
 pub fn install_crypto_provider() {

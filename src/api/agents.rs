@@ -362,3 +362,71 @@ pub async fn fence(
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::any_input::{any_string, body_bytes, is_client_error, through_api_json};
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    /// What Postgres and Kubernetes will take for the text columns these bodies fill
+    /// (`VARCHAR(n)` counts characters; no `text` holds a NUL).
+    fn storable(v: &str, max: usize) -> bool {
+        !v.is_empty() && v.chars().count() <= max && !v.contains('\0')
+    }
+
+    #[test]
+    fn nul_is_refused_where_postgres_would_fail() {
+        assert!(check_len("session_id", "a\0b", 256).is_err());
+        assert!(check_len("session_id", "é".repeat(256).as_str(), 256).is_ok());
+        assert!(check_len("session_id", "é".repeat(257).as_str(), 256).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// Any body: a 4xx or a body whose every field fits its column; never a panic.
+        #[test]
+        fn register_bodies(bytes in body_bytes(json!({
+            "namespace": "agents", "project_id": "P", "session_id": "s", "agent_surface": "codex"
+        }))) {
+            match through_api_json::<RegisterBody>(bytes).and_then(|b| b.check().map(|()| b)) {
+                Ok(b) => {
+                    prop_assert!(check_namespace(&b.namespace).is_ok());
+                    prop_assert!(storable(&b.project_id, 128) && storable(&b.session_id, 256));
+                }
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn heartbeat_bodies(bytes in body_bytes(json!({"namespace": "agents", "session_id": "s"}))) {
+            match through_api_json::<HeartbeatBody>(bytes).and_then(|b| b.check().map(|()| b)) {
+                Ok(b) => prop_assert!(storable(&b.session_id, 256)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        /// `term` is any i64 the caller likes (it is only compared); u64 and floats are 422s.
+        #[test]
+        fn fence_bodies(bytes in body_bytes(json!({"namespace": "agents", "project_id": "P", "term": 3}))) {
+            match through_api_json::<FenceBody>(bytes).and_then(|b| b.check().map(|()| b)) {
+                Ok(b) => prop_assert!(storable(&b.project_id, 128)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn status_queries(ns in any_string(), project in any_string(), session in proptest::option::of(any_string())) {
+            let q = StatusQuery { namespace: Some(ns), session_id: session };
+            match q.check(&project) {
+                Ok(_) => {
+                    prop_assert!(storable(&project, 128));
+                    prop_assert!(q.session_id.as_deref().is_none_or(|s| storable(s, 256)));
+                }
+                Err(e) => prop_assert!(is_client_error(&e)),
+            }
+        }
+    }
+}

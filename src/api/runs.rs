@@ -121,6 +121,7 @@ pub async fn hello(
 /// A fresh capability/capacity snapshot (each part optional; the body may be empty).
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = RunHeartbeatBody)]
 pub struct HeartbeatBody {
     #[schema(schema_with = capabilities_schema)]
     capabilities: Option<Vec<String>>,
@@ -254,7 +255,11 @@ impl ClaimBody {
     /// How many jobs a claim body (maybe empty) asks for, checked.
     pub fn max_of(body: &[u8]) -> Result<i64, ApiError> {
         let max = optional_json::<ClaimBody>(body)?.and_then(|b| b.max).unwrap_or(1);
-        if (1..=MAX_CLAIM).contains(&max) { Ok(max) } else { Err(ApiError::invalid(format!("max must be 1 to {MAX_CLAIM}"))) }
+        if (1..=MAX_CLAIM).contains(&max) {
+            Ok(max)
+        } else {
+            Err(ApiError::invalid(format!("max must be 1 to {MAX_CLAIM}")))
+        }
     }
 }
 
@@ -552,5 +557,88 @@ fn component(identity: &Identity, session: SessionView) -> ComponentStatus {
         namespace: identity.namespace.clone(),
         name: identity.name.clone(),
         session,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::any_input::{body_bytes, is_client_error, through_api_json};
+    use crate::run_registry::service::{component_kind_ok, name_ok};
+    use proptest::prelude::*;
+
+    fn no_nul(v: &Value) -> bool {
+        check_jsonb("v", v).is_ok()
+    }
+
+    #[test]
+    fn optional_bodies_take_empty_and_null_and_refuse_trailing_bytes() {
+        assert_eq!(ClaimBody::max_of(b"").ok(), Some(1));
+        assert_eq!(ClaimBody::max_of(b" null ").ok(), Some(1));
+        assert_eq!(ClaimBody::max_of(br#"{"max": 7}"#).ok(), Some(7));
+        let e = ClaimBody::max_of(br#"{"max": 7} x"#).err().map(|e| e.code);
+        assert_eq!(e, Some("malformed_json"));
+        assert!(ProgressBody::parse(b"null").is_err());
+        assert!(ProgressBody::parse(br#"{"progress": "a\u0000"}"#).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// Snapshots that pass are bounded, with known-shape names and amounts >= 0.
+        #[test]
+        fn run_heartbeat_bodies(bytes in body_bytes(json!({"capabilities": ["lifecycle"], "capacity": {"slots": 4}}))) {
+            match optional_json::<HeartbeatBody>(&bytes).and_then(|b| b.map(|b| b.check().map(|()| b)).transpose()) {
+                Ok(Some(b)) => {
+                    let caps = b.capabilities.unwrap_or_default();
+                    prop_assert!(caps.len() <= 32 && caps.iter().all(|c| name_ok(c)));
+                    let cap = b.capacity.unwrap_or_default();
+                    prop_assert!(cap.len() <= 32 && cap.iter().all(|(k, v)| name_ok(k) && *v >= 0));
+                }
+                Ok(None) => {}
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        /// An enqueued job names an address of an identity's shape and a payload jsonb takes.
+        #[test]
+        fn enqueue_bodies(bytes in body_bytes(json!({
+            "server_instance_id": "srv-1", "component_kind": "run", "kind": "config", "payload": {"a": 1}
+        }))) {
+            match through_api_json::<EnqueueBody>(bytes).and_then(|b| b.check().map(|()| b)) {
+                Ok(b) => {
+                    prop_assert!(server_instance_id_ok(&b.server_instance_id));
+                    prop_assert!(component_kind_ok(&b.component_kind));
+                    prop_assert!(no_nul(&b.payload));
+                }
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        /// `max` is any JSON number the caller likes; only 1..=100 passes.
+        #[test]
+        fn claim_bodies(bytes in body_bytes(json!({"max": 5}))) {
+            match ClaimBody::max_of(&bytes) {
+                Ok(max) => prop_assert!((1..=MAX_CLAIM).contains(&max)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn progress_bodies(bytes in body_bytes(json!({"progress": {"pct": 50}}))) {
+            match ProgressBody::parse(&bytes) {
+                Ok(v) => prop_assert!(no_nul(&v)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn complete_bodies(bytes in body_bytes(json!({"outcome": "succeeded", "result": {"ok": true}}))) {
+            match CompleteBody::parse(&bytes) {
+                Ok((_, v)) => prop_assert!(no_nul(&v)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
     }
 }
