@@ -79,7 +79,7 @@ pub struct ControllerRegistrationSpec {
 
 text_enum! {
     /// The agent surfaces a registration can come from (also a Postgres CHECK constraint).
-    #[derive(JsonSchema, utoipa::ToSchema)]
+    #[derive(JsonSchema)]
     pub enum AgentSurface {
         ClaudeDesktop = "claude_desktop",
         ClaudeCode = "claude_code",
@@ -244,7 +244,7 @@ pub enum RunPhase {
 
 text_enum! {
     /// Why a Run is not online.
-    #[derive(JsonSchema, utoipa::ToSchema)]
+    #[derive(JsonSchema)]
     pub enum UnavailableReason {
         RedisUnavailable = "redis_unavailable",
         LeaseExpired = "lease_expired",

@@ -20,6 +20,7 @@ pub mod run_client;
 pub mod commands;
 pub mod config;
 pub mod db;
+pub mod json_int;
 pub mod telemetry;
 pub mod time;
 

@@ -203,6 +203,7 @@ impl HeartbeatBody {
 #[utoipa::path(
     post,
     path = "/api/v1/controller/heartbeat",
+    operation_id = "controller_heartbeat",
     tag = "controller",
     request_body = HeartbeatBody,
     security(("kubernetes" = [])),
@@ -305,6 +306,7 @@ pub struct FenceBody {
     #[schema(min_length = 1, max_length = 128, pattern = "^[^\\u0000]*$", example = "PID-42")]
     project_id: String,
     /// The term a write claims to be made in.
+    #[serde(deserialize_with = "crate::json_int::i64")]
     term: i64,
 }
 

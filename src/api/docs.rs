@@ -8,7 +8,9 @@ use std::sync::OnceLock;
 
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Schema, SchemaType, Type};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{Ref, RefOr};
 use utoipa::{Modify, OpenApi, ToResponse};
 
 use super::error::{ApiError, ErrorBody};
@@ -23,7 +25,7 @@ use super::error::{ApiError, ErrorBody};
     ),
     modifiers(&SecuritySchemes),
     components(
-        schemas(ErrorBody),
+        schemas(ErrorBody, JsonbValue),
         responses(
             BadRequest,
             Unauthenticated,
@@ -136,6 +138,35 @@ pub struct Internal(ErrorBody);
 #[derive(ToResponse)]
 #[allow(dead_code)]
 pub struct Unavailable(ErrorBody);
+
+/// Any JSON that Postgres `jsonb` can store: no NUL character in any string or key
+/// (`check_jsonb`). Recursive, so a named schema of its own.
+pub struct JsonbValue;
+
+impl utoipa::PartialSchema for JsonbValue {
+    fn schema() -> RefOr<Schema> {
+        let no_nul = || ObjectBuilder::new().schema_type(Type::String).pattern(Some("^[^\\u0000]*$"));
+        let itself = || Ref::from_schema_name("JsonbValue");
+        let scalars =
+            ObjectBuilder::new().schema_type(SchemaType::Array(vec![Type::Null, Type::Boolean, Type::Number]));
+        let array = ArrayBuilder::new().items(itself());
+        let object = ObjectBuilder::new()
+            .schema_type(Type::Object)
+            .property_names(Some(no_nul()))
+            .additional_properties(Some(itself()));
+        OneOfBuilder::new()
+            .item(scalars)
+            .item(no_nul())
+            .item(array)
+            .item(object)
+            .description(Some(
+                "Any JSON without a NUL character (`\\u0000`) in a string or key: Postgres `jsonb` cannot store one",
+            ))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for JsonbValue {}
 
 /// This document
 ///
@@ -269,6 +300,16 @@ mod tests {
             let pointer = r.strip_prefix('#').unwrap_or(&r);
             assert!(DOCUMENT.pointer(pointer).is_some(), "unresolved {r}");
         }
+        // Operation ids are unique (clients name their methods after them).
+        let ids: Vec<&str> = DOCUMENT["paths"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .flat_map(|(_, item)| {
+                item.as_object().into_iter().flatten().filter_map(|(_, op)| op["operationId"].as_str())
+            })
+            .collect();
+        assert_eq!(ids.len(), ids.iter().collect::<BTreeSet<_>>().len(), "{ids:?}");
         // Every error status of every operation answers the one error body.
         for (path, item) in DOCUMENT["paths"].as_object().into_iter().flatten() {
             for (method, op) in item.as_object().into_iter().flatten() {

@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::auth::bearer;
+use super::docs::JsonbValue;
 use super::docs::{
     BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, Unauthenticated, Unavailable,
     UnsupportedMediaType,
@@ -125,6 +126,7 @@ pub async fn hello(
 pub struct HeartbeatBody {
     #[schema(schema_with = capabilities_schema)]
     capabilities: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "crate::json_int::opt_map_i64")]
     #[schema(schema_with = capacity_schema)]
     capacity: Option<BTreeMap<String, i64>>,
 }
@@ -146,6 +148,7 @@ pub struct RunHeartbeatReply {
 #[utoipa::path(
     post,
     path = "/api/v1/runtime/heartbeat",
+    operation_id = "runtime_heartbeat",
     tag = "runtime",
     request_body(content = Option<HeartbeatBody>, description = "Optional; an empty body renews only"),
     security(("session" = [])),
@@ -188,9 +191,9 @@ pub struct EnqueueBody {
     #[schema(min_length = 1, max_length = 63, pattern = "^[a-z0-9-]+$", example = "run")]
     component_kind: String,
     kind: JobKind,
-    /// Any JSON (stored as Postgres `jsonb`, which cannot hold a NUL character);
-    /// absent or null: `{}`.
+    /// Absent or null: `{}`.
     #[serde(default)]
+    #[schema(value_type = JsonbValue)]
     payload: Value,
 }
 
@@ -248,6 +251,7 @@ pub async fn enqueue(
 pub struct ClaimBody {
     /// How many jobs at most (default 1).
     #[schema(minimum = 1, maximum = 100)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
     max: Option<i64>,
 }
 
@@ -302,7 +306,7 @@ pub async fn claim(
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ProgressBody {
-    /// Any JSON (stored as Postgres `jsonb`: no NUL character).
+    #[schema(value_type = JsonbValue)]
     progress: Value,
 }
 
@@ -327,8 +331,9 @@ pub enum Outcome {
 #[serde(deny_unknown_fields)]
 pub struct CompleteBody {
     outcome: Outcome,
-    /// Any JSON (stored as Postgres `jsonb`: no NUL character); absent or null: `{}`.
+    /// Absent or null: `{}`.
     #[serde(default)]
+    #[schema(value_type = Option<JsonbValue>)]
     result: Option<Value>,
 }
 

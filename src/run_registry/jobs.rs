@@ -14,7 +14,6 @@ use crate::db::{Step as _, text_enum};
 
 text_enum! {
     /// What a job asks the Run to do (SPEC §8; also a Postgres CHECK constraint).
-    #[derive(utoipa::ToSchema)]
     pub enum JobKind {
         Lifecycle = "lifecycle",
         Config = "config",
@@ -26,7 +25,6 @@ text_enum! {
 
 text_enum! {
     /// Where a job is in its life (SPEC §5; also a Postgres CHECK constraint).
-    #[derive(utoipa::ToSchema)]
     pub enum JobState {
         Queued = "queued",
         Claimed = "claimed",

@@ -38,8 +38,10 @@ pub struct Hello {
     pub component_kind: String,
     /// The RunSession's current key generation.
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::json_int::i64")]
     pub key_generation: i64,
     /// Unix seconds; within 300 s of the operator's clock.
+    #[serde(deserialize_with = "crate::json_int::i64")]
     pub timestamp: i64,
     #[schema(min_length = 16, max_length = 128, pattern = "^[A-Za-z0-9_-]{16,128}$", example = "Zk3q9-2LwX0aPq7T")]
     pub nonce: String,
@@ -53,7 +55,7 @@ pub struct Hello {
     #[serde(default)]
     #[schema(schema_with = capabilities_schema)]
     pub capabilities: Option<Vec<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_map_i64")]
     #[schema(schema_with = capacity_schema)]
     pub capacity: Option<BTreeMap<String, i64>>,
 }
