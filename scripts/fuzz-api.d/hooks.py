@@ -1,10 +1,12 @@
-"""Schemathesis hooks for scripts/fuzz-api: a refused request writes nothing.
+"""Schemathesis hooks for scripts/fuzz-api.
 
-Before every call the rows of every durable table are counted; after a 4xx answer they
-are counted again and must be the same (SPEC §6: bad input "changes nothing"). The
-counts come from one psql round trip against $DATABASE_URL; the run uses one worker, so
-nothing else of the fuzzer's writes in between. FUZZ_COUNTS_LOG (if set) receives one
-line per checked refusal, so the script can print how many it checked.
+- Every answer's status is appended to $FUZZ_LOG ("status METHOD path"), for the counts
+  the script prints.
+- A refused request writes nothing (SPEC §6: bad input "changes nothing"): before every
+  call the rows of every durable table are counted; after a 4xx answer they are counted
+  again and must be the same, or the check `refused_request_writes_nothing` fails. The
+  counts come from one psql round trip against $DATABASE_URL; the run uses one worker, so
+  no other request of the fuzzer's writes in between.
 """
 
 import os
@@ -37,10 +39,22 @@ def counts():
     return dict(zip(TABLES, (int(n) for n in out.split("|"))))
 
 
+def _log(line):
+    path = os.environ.get("FUZZ_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 @schemathesis.hook
 def before_call(ctx, case, **kwargs):
     global _before
     _before = counts()
+
+
+@schemathesis.hook
+def after_call(ctx, case, response):
+    _log(f"{response.status_code} {case.method} {case.path}")
 
 
 @schemathesis.check
@@ -50,10 +64,7 @@ def refused_request_writes_nothing(ctx, response, case):
         return None
     after = counts()
     changed = {t: (_before[t], after[t]) for t in TABLES if _before[t] != after[t]}
-    log = os.environ.get("FUZZ_COUNTS_LOG")
-    if log:
-        with open(log, "a") as f:
-            f.write(f"{response.status_code} {case.method} {case.path} {'changed' if changed else 'unchanged'}\n")
+    _log(f"refusal {'WROTE' if changed else 'clean'} {response.status_code} {case.method} {case.path}")
     if changed:
         raise AssertionError(f"refused with {response.status_code} but rows changed (before, after): {changed}")
     return None

@@ -142,20 +142,22 @@ impl From<RegistryError> for ApiError {
     }
 }
 
-/// `axum::Json`, but every rejection is our JSON error with a code.
+/// `axum::Json`, but every rejection is our JSON error with a code, and the body is read
+/// as JSON Schema reads it (`strict`: structs from objects only, enums from strings only).
 pub struct ApiJson<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+        match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(v)) => {
+                super::strict::from_value(v).map(ApiJson).map_err(|e| ApiError::invalid(e.to_string()))
+            }
             Err(rejection) => Err(match &rejection {
-                JsonRejection::JsonSyntaxError(_) => {
+                JsonRejection::JsonSyntaxError(_) | JsonRejection::JsonDataError(_) => {
                     ApiError::new(StatusCode::BAD_REQUEST, "malformed_json", rejection.body_text())
                 }
-                JsonRejection::JsonDataError(_) => ApiError::invalid(rejection.body_text()),
                 JsonRejection::MissingJsonContentType(_) => ApiError::new(
                     StatusCode::UNSUPPORTED_MEDIA_TYPE,
                     "unsupported_media_type",

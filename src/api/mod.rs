@@ -25,6 +25,7 @@ pub mod docs;
 pub mod error;
 pub mod mcp;
 pub mod runs;
+pub mod strict;
 
 pub use error::{ApiError, ApiJson};
 

@@ -40,20 +40,17 @@ const RESOURCE: &str = "runsessions";
 const MAX_CLAIM: i64 = 100;
 
 /// A JSON body that may be absent (empty, or `null`), with our error codes when present
-/// but bad. The whole body must be one JSON value: trailing bytes are malformed.
+/// but bad; read strictly, as `ApiJson` reads. The whole body must be one JSON value.
 pub fn optional_json<T: DeserializeOwned>(body: &[u8]) -> Result<Option<T>, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
     }
-    let malformed = |e: &dyn std::fmt::Display| ApiError::new(StatusCode::BAD_REQUEST, "malformed_json", e.to_string());
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let value = match serde_path_to_error::deserialize::<_, Option<T>>(&mut de) {
-        Ok(v) => v,
-        Err(e) if e.inner().is_syntax() || e.inner().is_eof() => return Err(malformed(&e)),
-        Err(e) => return Err(ApiError::invalid(e.to_string())),
-    };
-    de.end().map_err(|e| malformed(&e))?;
-    Ok(value)
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()))?;
+    if value.is_null() {
+        return Ok(None);
+    }
+    super::strict::from_value(value).map(Some).map_err(|e| ApiError::invalid(e.to_string()))
 }
 
 fn session_token(headers: &HeaderMap) -> Result<&str, ApiError> {
