@@ -5,13 +5,13 @@
 - A refused request writes nothing (SPEC §6: bad input "changes nothing"): before every
   call the rows of every durable table are counted; after a 4xx answer they are counted
   again and must be the same, or the check `refused_request_writes_nothing` fails. The
-  counts come from one psql round trip against $DATABASE_URL; the run uses one worker, so
-  no other request of the fuzzer's writes in between.
+  counts come from one query on one connection to $DATABASE_URL; the run uses one
+  worker, so no other request of the fuzzer's writes in between.
 """
 
 import os
-import subprocess
 
+import psycopg
 import schemathesis
 
 TABLES = [
@@ -26,17 +26,15 @@ TABLES = [
 QUERY = "SELECT " + ", ".join(f"(SELECT count(*) FROM {t})" for t in TABLES)
 
 _before = None
+_conn = None
 
 
 def counts():
-    out = subprocess.run(
-        ["psql", os.environ["DATABASE_URL"], "-XtAqc", QUERY],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout.strip()
-    return dict(zip(TABLES, (int(n) for n in out.split("|"))))
+    global _conn
+    if _conn is None or _conn.closed:
+        _conn = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
+    row = _conn.execute(QUERY).fetchone()
+    return dict(zip(TABLES, row))
 
 
 def _log(line):
