@@ -136,7 +136,8 @@ mod tests {
                 prop_assert_eq!(n(&format!("{:.1}", i as f64)), Some(i));
             }
             if f.is_finite() {
-                let whole = f.fract() == 0.0 && f >= -9.223372036854775808e18 && f < 9.223372036854775808e18;
+                let limit = 2f64.powi(63);
+                let whole = f.fract() == 0.0 && (-limit..limit).contains(&f);
                 prop_assert_eq!(n(&format!("{f:e}")), whole.then_some(f as i64));
             }
         }

@@ -234,10 +234,10 @@ pub fn check_hello(h: &Hello) -> Result<(), Invalid> {
     {
         return Err(Invalid("version: at most 64 characters of [A-Za-z0-9.+_-]".into()));
     }
-    if let Some(t) = &h.target {
-        if !target_part_ok(&t.os) || !target_part_ok(&t.arch) {
-            return Err(Invalid("target: os and arch are 1-32 characters of [A-Za-z0-9_]".into()));
-        }
+    if let Some(t) = &h.target
+        && (!target_part_ok(&t.os) || !target_part_ok(&t.arch))
+    {
+        return Err(Invalid("target: os and arch are 1-32 characters of [A-Za-z0-9_]".into()));
     }
     check_snapshot(h.capabilities.as_ref(), h.capacity.as_ref())
 }
