@@ -55,7 +55,7 @@ impl<T> KubeStep<T> for Result<T, kube::Error> {
 }
 
 /// One row of a routing table (SPEC §6).
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct RouteEntry {
     pub id: Uuid,
     pub namespace: String,
@@ -82,7 +82,7 @@ impl From<&Registration> for RouteEntry {
     }
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct RoutingTable {
     pub project_id: String,
     pub namespace: String,
@@ -96,7 +96,7 @@ pub struct RoutingTable {
 }
 
 /// The result of a registration call.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct Registered {
     pub registration: RouteEntry,
     pub project_id: String,
@@ -106,7 +106,7 @@ pub struct Registered {
     pub routing: RoutingTable,
 }
 
-#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct HeartbeatReply {
     pub role: Role,
     pub is_master: bool,

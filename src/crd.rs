@@ -97,7 +97,7 @@ impl AgentSurface {
 
 /// A registration's role, spelled as Kubernetes spells enum values (`kubectl get` shows it);
 /// the HTTP API and the routing table use the same spelling.
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Serialize, Deserialize, JsonSchema, utoipa::ToSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Role {
     // Not (yet) in the election. (A doc comment here would reorder the schema's enum.)
     #[default]
@@ -232,7 +232,7 @@ pub struct RunCredential {
     pub generation: i64,
 }
 
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Serialize, Deserialize, JsonSchema, utoipa::ToSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum RunPhase {
     /// Never connected.
     #[default]
@@ -253,9 +253,12 @@ text_enum! {
     }
 }
 
-#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
+// Hello checks both (`check_hello`); the OpenAPI schemas say the same.
+#[derive(Serialize, Deserialize, JsonSchema, utoipa::ToSchema, Clone, Debug, PartialEq, Eq)]
 pub struct RunTarget {
+    #[schema(pattern = "^[A-Za-z0-9_]{1,32}$", example = "linux")]
     pub os: String,
+    #[schema(pattern = "^[A-Za-z0-9_]{1,32}$", example = "amd64")]
     pub arch: String,
 }
 

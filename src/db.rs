@@ -77,6 +77,19 @@ macro_rules! text_enum {
             }
         }
 
+        // The OpenAPI schema, from the same spellings as serde's (a derive would not see
+        // the `rename`s this macro writes, and would list the variant names).
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::schema::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .enum_values(Some([$($text),+]))
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {}
+
         impl sqlx::Type<sqlx::Postgres> for $name {
             fn type_info() -> sqlx::postgres::PgTypeInfo {
                 <String as sqlx::Type<sqlx::Postgres>>::type_info()

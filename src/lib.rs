@@ -20,8 +20,13 @@ pub mod run_client;
 pub mod commands;
 pub mod config;
 pub mod db;
+pub mod json_int;
 pub mod telemetry;
 pub mod time;
+
+// Strategies for the property tests of every input (tests only).
+#[cfg(test)]
+pub(crate) mod any_input;
 
 /// Selects ring as the process's TLS provider for every client (kube, sqlx, reqwest),
 /// whatever features dependencies enable. Idempotent; call before building clients.

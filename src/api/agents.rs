@@ -4,15 +4,19 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::AppState;
-use super::error::{ApiError, ApiJson};
-use crate::agent_sessions::{AgentError, HeartbeatReply, Registered, RoutingTable};
+use super::docs::{
+    BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, Unauthenticated, Unavailable,
+    UnsupportedMediaType,
+};
+use super::error::{ApiError, ApiJson, ApiPath, ApiQuery};
+use crate::agent_sessions::{AgentError, HeartbeatReply, Registered, RouteEntry, RoutingTable};
 use crate::crd::AgentSurface;
 use crate::election::ElectionError;
 
@@ -27,31 +31,71 @@ pub fn check_namespace(ns: &str) -> Result<(), ApiError> {
     if ok { Ok(()) } else { Err(ApiError::invalid(format!("namespace {ns:?} is not a valid namespace name"))) }
 }
 
+// The schemas below state these checks as `pattern`s (utoipa takes literals only); the
+// unit tests hold each pattern of the served document to the function it restates.
+
+/// 1 to `max` characters (Unicode scalar values, as JSON Schema's `maxLength` counts),
+/// none of them NUL: Postgres `text` cannot store one, and a 4xx beats the 500 its
+/// insert would fail with.
 pub fn check_len(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
-    if v.is_empty() || v.chars().count() > max {
-        Err(ApiError::invalid(format!("{field} must be 1 to {max} characters")))
+    if v.is_empty() || v.chars().count() > max || v.contains('\0') {
+        Err(ApiError::invalid(format!("{field} must be 1 to {max} characters, none of them NUL")))
     } else {
         Ok(())
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RegisterBody {
+    #[schema(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "agents")]
     namespace: String,
+    #[schema(min_length = 1, max_length = 128, pattern = "^[^\\u0000]*$", example = "PID-42")]
     project_id: String,
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\u0000]*$", example = "session-1")]
     session_id: String,
     agent_surface: AgentSurface,
 }
 
+impl RegisterBody {
+    /// Everything about the body a handler checks before any token or row is looked at.
+    pub fn check(&self) -> Result<(), ApiError> {
+        check_namespace(&self.namespace)?;
+        check_len("project_id", &self.project_id, 128)?;
+        check_len("session_id", &self.session_id, 256)
+    }
+}
+
+/// Register an agent session for a project
+///
+/// Creates (or finds) the session's ControllerRegistration, runs the election and answers
+/// with its result and the project's routing table. The caller must be allowed to
+/// `create` controllerregistrations in the namespace; the session then belongs to it.
+#[utoipa::path(
+    post,
+    path = "/api/v1/controller/register",
+    tag = "controller",
+    request_body = RegisterBody,
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "Registered (or already registered)", body = Registered),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 413, response = TooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn register(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     ApiJson(body): ApiJson<RegisterBody>,
 ) -> Result<(StatusCode, Json<Registered>), ApiError> {
-    check_namespace(&body.namespace)?;
-    check_len("project_id", &body.project_id, 128)?;
-    check_len("session_id", &body.session_id, 256)?;
+    body.check()?;
     let caller = state.auth.authenticate(&headers).await?;
     state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
     let done = state
@@ -61,8 +105,12 @@ pub async fn register(
     Ok((StatusCode::OK, Json(done)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ReleaseQuery {
+    /// The registration's namespace: with it, an id unknown there is a 404 (for callers
+    /// with rights there); without it, the same 403 as a refusal.
+    #[param(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
     namespace: Option<String>,
 }
 
@@ -71,11 +119,28 @@ pub struct ReleaseQuery {
 /// that namespace only (404 only for callers with rights there). Without it, an unknown
 /// id and an id the caller may not delete get the same 403, so no caller learns which
 /// ids exist where.
+#[utoipa::path(
+    post,
+    path = "/api/v1/controller/{id}/release",
+    tag = "controller",
+    params(("id" = Uuid, Path, description = "The registration id"), ReleaseQuery),
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "Released; the project's routing table now", body = RoutingTable),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn release(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Path(id): Path<String>,
-    Query(q): Query<ReleaseQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ReleaseQuery>,
 ) -> Result<Json<RoutingTable>, ApiError> {
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::invalid("id must be a registration id (uuid)"))?;
     if let Some(ns) = &q.namespace {
@@ -116,20 +181,51 @@ pub async fn release(
     Ok(Json(state.agents.release(&row, &caller.username).await?))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HeartbeatBody {
+    #[schema(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "agents")]
     namespace: String,
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\u0000]*$", example = "session-1")]
     session_id: String,
 }
 
+impl HeartbeatBody {
+    pub fn check(&self) -> Result<(), ApiError> {
+        check_namespace(&self.namespace)?;
+        check_len("session_id", &self.session_id, 256)
+    }
+}
+
+/// Heartbeat of an agent session
+///
+/// Keeps the caller's registration live and answers with its role.
+#[utoipa::path(
+    post,
+    path = "/api/v1/controller/heartbeat",
+    operation_id = "controller_heartbeat",
+    tag = "controller",
+    request_body = HeartbeatBody,
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "The session's role now", body = HeartbeatReply),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 413, response = TooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn heartbeat(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     ApiJson(body): ApiJson<HeartbeatBody>,
 ) -> Result<Json<HeartbeatReply>, ApiError> {
-    check_namespace(&body.namespace)?;
-    check_len("session_id", &body.session_id, 256)?;
+    body.check()?;
     let caller = state.auth.authenticate(&headers).await?;
     state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
     state.metrics.heartbeats.inc();
@@ -137,21 +233,58 @@ pub async fn heartbeat(
     Ok(Json(HeartbeatReply::from(&role)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct StatusQuery {
+    /// The project's namespace (required).
+    #[param(required = true, max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "agents")]
     namespace: Option<String>,
+    /// The caller's session: fills `caller` and counts as its heartbeat.
+    #[param(min_length = 1, max_length = 256, pattern = "^[^\\u0000]*$")]
     session_id: Option<String>,
 }
 
+impl StatusQuery {
+    /// The namespace, once the query and the path's project id are checked.
+    pub fn check(&self, project_id: &str) -> Result<String, ApiError> {
+        let namespace =
+            self.namespace.clone().ok_or_else(|| ApiError::invalid("the namespace query parameter is required"))?;
+        check_namespace(&namespace)?;
+        check_len("project_id", project_id, 128)?;
+        if let Some(session_id) = &self.session_id {
+            check_len("session_id", session_id, 256)?;
+        }
+        Ok(namespace)
+    }
+}
+
+/// A project's routing table
+#[utoipa::path(
+    get,
+    path = "/api/v1/controller/{project_id}/status",
+    tag = "controller",
+    params(
+        ("project_id" = String, Path, min_length = 1, max_length = 128, pattern = "^[^\\u0000]*$"),
+        StatusQuery,
+    ),
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "The routing table", body = RoutingTable),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn status(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Path(project_id): Path<String>,
-    Query(q): Query<StatusQuery>,
+    ApiPath(project_id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<StatusQuery>,
 ) -> Result<Json<RoutingTable>, ApiError> {
-    let namespace = q.namespace.ok_or_else(|| ApiError::invalid("the namespace query parameter is required"))?;
-    check_namespace(&namespace)?;
-    check_len("project_id", &project_id, 128)?;
+    let namespace = q.check(&project_id)?;
     let caller = state.auth.authenticate(&headers).await?;
     state.auth.authorize(&caller, "list", RESOURCE, &namespace).await?;
     if let Some(session_id) = &q.session_id {
@@ -165,28 +298,137 @@ pub async fn status(
     Ok(Json(state.agents.routing(&namespace, &project_id, q.session_id.as_deref()).await?))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FenceBody {
+    #[schema(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "agents")]
     namespace: String,
+    #[schema(min_length = 1, max_length = 128, pattern = "^[^\\u0000]*$", example = "PID-42")]
     project_id: String,
+    /// The term a write claims to be made in.
+    #[serde(deserialize_with = "crate::json_int::i64")]
     term: i64,
 }
 
+impl FenceBody {
+    pub fn check(&self) -> Result<(), ApiError> {
+        check_namespace(&self.namespace)?;
+        check_len("project_id", &self.project_id, 128)
+    }
+}
+
+/// `term` is the project's current master term.
+#[derive(Serialize, ToSchema)]
+pub struct FenceReply {
+    project_id: String,
+    term: i64,
+    master: RouteEntry,
+}
+
+/// Fence a write by its term
+///
+/// 200 if `term` is the project's current master term, else 409 `stale_term`: lets any
+/// downstream system reject writes from a demoted master.
+#[utoipa::path(
+    post,
+    path = "/api/v1/controller/fence",
+    tag = "controller",
+    request_body = FenceBody,
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "`term` is current", body = FenceReply),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 409, response = Conflict),
+        (status = 413, response = TooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn fence(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     ApiJson(body): ApiJson<FenceBody>,
-) -> Result<Json<Value>, ApiError> {
-    check_namespace(&body.namespace)?;
-    check_len("project_id", &body.project_id, 128)?;
+) -> Result<Json<FenceReply>, ApiError> {
+    body.check()?;
     let caller = state.auth.authenticate(&headers).await?;
     state.auth.authorize(&caller, "get", RESOURCE, &body.namespace).await?;
     match state.agents.fence(&body.namespace, &body.project_id, body.term).await? {
-        Some(master) => Ok(Json(json!({"project_id": body.project_id, "term": body.term, "master": master}))),
+        Some(master) => Ok(Json(FenceReply { project_id: body.project_id, term: body.term, master })),
         None => Err(ApiError::conflict(
             "stale_term",
             format!("term {} is not the current master term of {}", body.term, body.project_id),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::any_input::{any_string, body_bytes, is_client_error, through_api_json};
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    /// What Postgres and Kubernetes will take for the text columns these bodies fill
+    /// (`VARCHAR(n)` counts characters; no `text` holds a NUL).
+    fn storable(v: &str, max: usize) -> bool {
+        !v.is_empty() && v.chars().count() <= max && !v.contains('\0')
+    }
+
+    #[test]
+    fn nul_is_refused_where_postgres_would_fail() {
+        assert!(check_len("session_id", "a\0b", 256).is_err());
+        assert!(check_len("session_id", "é".repeat(256).as_str(), 256).is_ok());
+        assert!(check_len("session_id", "é".repeat(257).as_str(), 256).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// Any body: a 4xx or a body whose every field fits its column; never a panic.
+        #[test]
+        fn register_bodies(bytes in body_bytes(json!({
+            "namespace": "agents", "project_id": "P", "session_id": "s", "agent_surface": "codex"
+        }))) {
+            match through_api_json::<RegisterBody>(bytes).and_then(|b| b.check().map(|()| b)) {
+                Ok(b) => {
+                    prop_assert!(check_namespace(&b.namespace).is_ok());
+                    prop_assert!(storable(&b.project_id, 128) && storable(&b.session_id, 256));
+                }
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn heartbeat_bodies(bytes in body_bytes(json!({"namespace": "agents", "session_id": "s"}))) {
+            match through_api_json::<HeartbeatBody>(bytes).and_then(|b| b.check().map(|()| b)) {
+                Ok(b) => prop_assert!(storable(&b.session_id, 256)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        /// `term` is any i64 the caller likes (it is only compared); u64 and floats are 422s.
+        #[test]
+        fn fence_bodies(bytes in body_bytes(json!({"namespace": "agents", "project_id": "P", "term": 3}))) {
+            match through_api_json::<FenceBody>(bytes).and_then(|b| b.check().map(|()| b)) {
+                Ok(b) => prop_assert!(storable(&b.project_id, 128)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn status_queries(ns in any_string(), project in any_string(), session in proptest::option::of(any_string())) {
+            let q = StatusQuery { namespace: Some(ns), session_id: session };
+            match q.check(&project) {
+                Ok(_) => {
+                    prop_assert!(storable(&project, 128));
+                    prop_assert!(q.session_id.as_deref().is_none_or(|s| storable(s, 256)));
+                }
+                Err(e) => prop_assert!(is_client_error(&e)),
+            }
+        }
     }
 }

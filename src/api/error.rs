@@ -1,17 +1,33 @@
 //! The one mapping from errors to HTTP: `{"error": {"code", "message"}}` with a status.
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde_json::json;
 use tracing::{error, warn};
+use utoipa::ToSchema;
 
 use crate::agent_sessions::AgentError;
 use crate::db::QueryError;
 use crate::election::ElectionError;
 use crate::run_registry::RegistryError;
+
+/// Every error answer of the API, whatever its status (SPEC §6).
+#[derive(Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// A stable, machine-readable code (`invalid_request`, `forbidden`, ...).
+    pub code: &'static str,
+    /// For people; its wording may change.
+    pub message: String,
+}
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -59,7 +75,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let body = ErrorBody { error: ErrorDetail { code: self.code, message: self.message } };
         (self.status, axum::Json(body)).into_response()
     }
 }
@@ -126,20 +142,22 @@ impl From<RegistryError> for ApiError {
     }
 }
 
-/// `axum::Json`, but every rejection is our JSON error with a code.
+/// `axum::Json`, but every rejection is our JSON error with a code, and the body is read
+/// as JSON Schema reads it (`strict`: structs from objects only, enums from strings only).
 pub struct ApiJson<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
+        match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(v)) => {
+                super::strict::from_value(v).map(ApiJson).map_err(|e| ApiError::invalid(e.to_string()))
+            }
             Err(rejection) => Err(match &rejection {
-                JsonRejection::JsonSyntaxError(_) => {
+                JsonRejection::JsonSyntaxError(_) | JsonRejection::JsonDataError(_) => {
                     ApiError::new(StatusCode::BAD_REQUEST, "malformed_json", rejection.body_text())
                 }
-                JsonRejection::JsonDataError(_) => ApiError::invalid(rejection.body_text()),
                 JsonRejection::MissingJsonContentType(_) => ApiError::new(
                     StatusCode::UNSUPPORTED_MEDIA_TYPE,
                     "unsupported_media_type",
@@ -150,6 +168,54 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
                 }
                 _ => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", rejection.body_text()),
             }),
+        }
+    }
+}
+
+/// `axum::extract::Path`, but a value that cannot be decoded (say `%FF`, not UTF-8) is
+/// our JSON 400 rather than axum's plain-text one.
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(ApiPath(v)),
+            Err(rejection) => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", rejection.body_text())),
+        }
+    }
+}
+
+/// `axum::extract::Query`, with our JSON 400 for a query string that cannot be decoded
+/// (a repeated parameter, bytes that are not UTF-8).
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(v)) => Ok(ApiQuery(v)),
+            Err(rejection) => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", rejection.body_text())),
+        }
+    }
+}
+
+/// The raw body (for routes whose JSON body is optional), with our JSON 413 for one over
+/// the limit rather than axum's plain-text one.
+pub struct ApiBody(pub axum::body::Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for ApiBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::body::Bytes::from_request(req, state).await {
+            Ok(bytes) => Ok(ApiBody(bytes)),
+            Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", "request body too large"))
+            }
+            Err(rejection) => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", rejection.body_text())),
         }
     }
 }

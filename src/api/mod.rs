@@ -7,9 +7,12 @@ use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
-use axum::routing::{any, get, post};
+use axum::routing::{any, get};
 use serde_json::json;
 use sqlx::PgPool;
+use utoipa::OpenApi as _;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::agent_sessions::AgentService;
 use crate::election::Cause;
@@ -18,9 +21,11 @@ use crate::telemetry::Metrics;
 
 pub mod agents;
 pub mod auth;
+pub mod docs;
 pub mod error;
 pub mod mcp;
 pub mod runs;
+pub mod strict;
 
 pub use error::{ApiError, ApiJson};
 
@@ -37,6 +42,44 @@ pub struct AppState {
     pub mcp: mcp::McpConfig,
 }
 
+/// Every route of `/api/v1`, each with its OpenAPI operation: the router and the
+/// document are both made from this one list, so neither has a route the other lacks
+/// (tests check it: `routes_and_document_agree`, tests/openapi.rs).
+pub fn api_routes() -> OpenApiRouter<Arc<AppState>> {
+    OpenApiRouter::with_openapi(docs::ApiDoc::openapi())
+        .routes(routes!(docs::openapi_json))
+        .routes(routes!(agents::register))
+        .routes(routes!(agents::heartbeat))
+        .routes(routes!(agents::fence))
+        .routes(routes!(agents::release))
+        .routes(routes!(agents::status))
+        .routes(routes!(runs::hello))
+        .routes(routes!(runs::heartbeat))
+        .routes(routes!(runs::enqueue))
+        .routes(routes!(runs::claim))
+        .routes(routes!(runs::ack))
+        .routes(routes!(runs::progress))
+        .routes(routes!(runs::complete))
+        .routes(routes!(runs::server_status))
+}
+
+/// The OpenAPI document of `/api/v1` (what `GET /api/v1/openapi.json` serves).
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api_routes().into_openapi()
+}
+
+/// Everything outside `/api/v1` that needs no state of its own at build time.
+fn service_routes() -> Router<Arc<AppState>> {
+    Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz)).route("/metrics", get(metrics))
+}
+
+/// Every route but `/mcp` (whose endpoint is built from the state), before the state is
+/// given: what the route test inspects.
+pub fn stateless_routes() -> Router<Arc<AppState>> {
+    let (api, _) = api_routes().split_for_parts();
+    service_routes().merge(api)
+}
+
 pub fn router(state: Arc<AppState>) -> Router {
     let mcp = Arc::new(mcp::Endpoint::new(state.clone()));
     Router::new()
@@ -47,20 +90,7 @@ pub fn router(state: Arc<AppState>) -> Router {
                 async move { mcp.handle(request).await }
             }),
         )
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/api/v1/controller/register", post(agents::register))
-        .route("/api/v1/controller/heartbeat", post(agents::heartbeat))
-        .route("/api/v1/controller/fence", post(agents::fence))
-        .route("/api/v1/controller/{id}/release", post(agents::release))
-        .route("/api/v1/controller/{project_id}/status", get(agents::status))
-        .route("/api/v1/runtime/hello", post(runs::hello))
-        .route("/api/v1/runtime/heartbeat", post(runs::heartbeat))
-        .route("/api/v1/runtime/jobs", post(runs::enqueue))
-        .route("/api/v1/runtime/jobs/claim", post(runs::claim))
-        .route("/api/v1/runtime/jobs/{id}/{action}", post(runs::job_step))
-        .route("/api/v1/runtime/servers/{server_instance_id}/status", get(runs::server_status))
+        .merge(stateless_routes())
         .fallback(|| async { ApiError::not_found("not_found", "no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)

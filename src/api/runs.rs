@@ -5,18 +5,23 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use chrono::Utc;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::AppState;
 use super::auth::bearer;
-use super::error::{ApiError, ApiJson};
+use super::docs::JsonbValue;
+use super::docs::{
+    BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, Unauthenticated, Unavailable,
+    UnsupportedMediaType,
+};
+use super::error::{ApiBody, ApiError, ApiJson, ApiPath};
 use kube::Api;
 
 use crate::crd::RunSession;
@@ -24,26 +29,28 @@ use crate::refresh::{self, NamespacedName};
 use crate::run_registry::identity::Identity;
 use crate::run_registry::jobs::{Job, JobKind, Step, StepRefused};
 use crate::run_registry::projection::{Lease, SessionView, project};
-use crate::run_registry::service::{Granted, Hello, HelloError, SessionRefused, check_snapshot};
+use crate::run_registry::service::{
+    Granted, Hello, HelloError, SessionRefused, capabilities_schema, capacity_schema, check_address, check_jsonb,
+    check_snapshot, server_instance_id_ok,
+};
 use crate::run_registry::sessions::Renewal;
 use crate::run_registry::{RunAddress, Session};
 
 const RESOURCE: &str = "runsessions";
 const MAX_CLAIM: i64 = 100;
 
-/// A JSON body that may be absent (empty), with our error codes when present but bad.
-fn optional_json<T: DeserializeOwned>(body: &Bytes) -> Result<Option<T>, ApiError> {
+/// A JSON body that may be absent (empty, or `null`), with our error codes when present
+/// but bad; read strictly, as `ApiJson` reads. The whole body must be one JSON value.
+pub fn optional_json<T: DeserializeOwned>(body: &[u8]) -> Result<Option<T>, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
     }
-    let mut de = serde_json::Deserializer::from_slice(body);
-    match serde_path_to_error::deserialize(&mut de) {
-        Ok(v) => Ok(Some(v)),
-        Err(e) if e.inner().is_syntax() || e.inner().is_eof() => {
-            Err(ApiError::new(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()))
-        }
-        Err(e) => Err(ApiError::invalid(e.to_string())),
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "malformed_json", e.to_string()))?;
+    if value.is_null() {
+        return Ok(None);
     }
+    super::strict::from_value(value).map(Some).map_err(|e| ApiError::invalid(e.to_string()))
 }
 
 fn session_token(headers: &HeaderMap) -> Result<&str, ApiError> {
@@ -67,6 +74,27 @@ fn session_refused(r: SessionRefused) -> ApiError {
     ApiError::unauthenticated(r.code(), message)
 }
 
+/// Prove possession of a Run's key and open a session
+///
+/// The body is signed as SPEC §8 says. Every failure of proof is a 401 with one of the
+/// codes `unknown_identity`, `stale_generation`, `bad_signature`, `clock_skew`,
+/// `replayed_nonce`, and nothing more.
+#[utoipa::path(
+    post,
+    path = "/api/v1/runtime/hello",
+    tag = "runtime",
+    request_body = Hello,
+    responses(
+        (status = 201, description = "Session granted", body = Granted),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 413, response = TooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn hello(
     State(state): State<Arc<AppState>>,
     ApiJson(body): ApiJson<Hello>,
@@ -88,47 +116,119 @@ pub async fn hello(
     }
 }
 
-#[derive(Deserialize)]
+/// A fresh capability/capacity snapshot (each part optional; the body may be empty).
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = RunHeartbeatBody)]
 pub struct HeartbeatBody {
+    #[schema(schema_with = capabilities_schema)]
     capabilities: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "crate::json_int::opt_map_i64")]
+    #[schema(schema_with = capacity_schema)]
     capacity: Option<BTreeMap<String, i64>>,
 }
 
+impl HeartbeatBody {
+    pub fn check(&self) -> Result<(), ApiError> {
+        check_snapshot(self.capabilities.as_ref(), self.capacity.as_ref()).map_err(|e| ApiError::invalid(e.0))
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct RunHeartbeatReply {
+    /// Seconds the renewed lease has left.
+    lease_ttl_seconds: u64,
+    heartbeat_interval_seconds: u64,
+}
+
+/// Heartbeat of a Run: renews its session lease
+#[utoipa::path(
+    post,
+    path = "/api/v1/runtime/heartbeat",
+    operation_id = "runtime_heartbeat",
+    tag = "runtime",
+    request_body(content = Option<HeartbeatBody>, description = "Optional; an empty body renews only"),
+    security(("session" = [])),
+    responses(
+        (status = 200, description = "Lease renewed", body = RunHeartbeatReply),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 413, response = TooLarge),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn heartbeat(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Bytes,
-) -> Result<Json<Value>, ApiError> {
+    ApiBody(body): ApiBody,
+) -> Result<Json<RunHeartbeatReply>, ApiError> {
     let token = session_token(&headers)?;
     let body: Option<HeartbeatBody> = optional_json(&body)?;
+    if let Some(b) = &body {
+        b.check()?;
+    }
     let (caps, cap) = body.map(|b| (b.capabilities, b.capacity)).unwrap_or_default();
-    check_snapshot(caps.as_ref(), cap.as_ref()).map_err(|e| ApiError::invalid(e.0))?;
     let renewal = Renewal { now: Utc::now(), capabilities: caps.as_deref(), capacity: cap.as_ref() };
     match state.registry.session(token, Some(renewal)).await? {
         Ok((_, session)) => {
             let lease = (session.lease_left.as_millis() as u64).div_ceil(1000);
-            Ok(Json(json!({"lease_ttl_seconds": lease, "heartbeat_interval_seconds": (lease / 3).max(1)})))
+            Ok(Json(RunHeartbeatReply { lease_ttl_seconds: lease, heartbeat_interval_seconds: (lease / 3).max(1) }))
         }
         Err(r) => Err(session_refused(r)),
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnqueueBody {
+    #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$", example = "srv-eu1-7")]
     server_instance_id: String,
+    #[schema(min_length = 1, max_length = 63, pattern = "^[a-z0-9-]+$", example = "run")]
     component_kind: String,
     kind: JobKind,
+    /// Absent or null: `{}`.
     #[serde(default)]
+    #[schema(value_type = JsonbValue)]
     payload: Value,
 }
 
+impl EnqueueBody {
+    pub fn check(&self) -> Result<(), ApiError> {
+        check_address(&self.server_instance_id, &self.component_kind).map_err(|e| ApiError::invalid(e.0))?;
+        check_jsonb("payload", &self.payload).map_err(|e| ApiError::invalid(e.0))
+    }
+}
+
+/// Enqueue a job for a Run
+///
+/// The caller must be allowed to `update` the RunSession of that server/component.
+#[utoipa::path(
+    post,
+    path = "/api/v1/runtime/jobs",
+    tag = "runtime",
+    request_body = EnqueueBody,
+    security(("kubernetes" = [])),
+    responses(
+        (status = 201, description = "Queued", body = Job),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 413, response = TooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn enqueue(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     ApiJson(body): ApiJson<EnqueueBody>,
 ) -> Result<(StatusCode, Json<Job>), ApiError> {
+    body.check()?;
     let caller = state.auth.authenticate(&headers).await?;
     let address = RunAddress { server_instance_id: body.server_instance_id, component_kind: body.component_kind };
     let Some(identity) = state.registry.identities.live(&address).await? else {
@@ -143,73 +243,214 @@ pub async fn enqueue(
     Ok((StatusCode::CREATED, Json(job)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClaimBody {
+    /// How many jobs at most (default 1).
+    #[schema(minimum = 1, maximum = 100)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
     max: Option<i64>,
 }
 
+impl ClaimBody {
+    /// How many jobs a claim body (maybe empty) asks for, checked.
+    pub fn max_of(body: &[u8]) -> Result<i64, ApiError> {
+        let max = optional_json::<ClaimBody>(body)?.and_then(|b| b.max).unwrap_or(1);
+        if (1..=MAX_CLAIM).contains(&max) {
+            Ok(max)
+        } else {
+            Err(ApiError::invalid(format!("max must be 1 to {MAX_CLAIM}")))
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Claimed {
+    jobs: Vec<Job>,
+}
+
+/// Claim the oldest queued jobs of the session's own server/component
+#[utoipa::path(
+    post,
+    path = "/api/v1/runtime/jobs/claim",
+    tag = "runtime",
+    request_body(content = Option<ClaimBody>, description = "Optional; an empty body claims one"),
+    security(("session" = [])),
+    responses(
+        (status = 200, description = "The jobs claimed (maybe none)", body = Claimed),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 413, response = TooLarge),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn claim(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Bytes,
-) -> Result<Json<Value>, ApiError> {
-    let max = optional_json::<ClaimBody>(&body)?.and_then(|b| b.max).unwrap_or(1);
-    if !(1..=MAX_CLAIM).contains(&max) {
-        return Err(ApiError::invalid(format!("max must be 1 to {MAX_CLAIM}")));
-    }
+    ApiBody(body): ApiBody,
+) -> Result<Json<Claimed>, ApiError> {
+    let max = ClaimBody::max_of(&body)?;
     // No session (Redis down included) means no job is assigned.
     let started = std::time::Instant::now();
     let (address, session) = authenticated(&state, &headers).await?;
     let jobs = state.registry.claim(&address, &session, max).await?;
     state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
-    Ok(Json(json!({"jobs": jobs})))
+    Ok(Json(Claimed { jobs }))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ProgressBody {
+    #[schema(value_type = JsonbValue)]
     progress: Value,
 }
 
-#[derive(Deserialize, Clone, Copy)]
+impl ProgressBody {
+    /// The progress a body reports, checked.
+    pub fn parse(body: &[u8]) -> Result<Value, ApiError> {
+        let b: ProgressBody =
+            optional_json(body)?.ok_or_else(|| ApiError::invalid("body {\"progress\": {...}} is required"))?;
+        check_jsonb("progress", &b.progress).map_err(|e| ApiError::invalid(e.0))?;
+        Ok(b.progress)
+    }
+}
+
+#[derive(Deserialize, ToSchema, Clone, Copy)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
     Succeeded,
     Failed,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CompleteBody {
     outcome: Outcome,
+    /// Absent or null: `{}`.
     #[serde(default)]
+    #[schema(value_type = Option<JsonbValue>)]
     result: Option<Value>,
 }
 
-pub async fn job_step(
+impl CompleteBody {
+    /// The step and result a body reports, checked.
+    pub fn parse(body: &[u8]) -> Result<(Step, Value), ApiError> {
+        let b: CompleteBody = optional_json(body)?.ok_or_else(|| {
+            ApiError::invalid("body {\"outcome\": \"succeeded\"|\"failed\", \"result\": {...}} is required")
+        })?;
+        let result = b.result.unwrap_or(json!({}));
+        check_jsonb("result", &result).map_err(|e| ApiError::invalid(e.0))?;
+        Ok((Step::Complete { succeeded: matches!(b.outcome, Outcome::Succeeded) }, result))
+    }
+}
+
+/// Acknowledge a claimed job: the Run is working on it
+#[utoipa::path(
+    post,
+    path = "/api/v1/runtime/jobs/{id}/ack",
+    tag = "runtime",
+    params(("id" = Uuid, Path, description = "The job id")),
+    security(("session" = [])),
+    responses(
+        (status = 200, description = "The job now", body = Job),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 409, response = Conflict),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub async fn ack(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Path((id, action)): Path<(String, String)>,
-    body: Bytes,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<Job>, ApiError> {
-    let id = Uuid::parse_str(&id).map_err(|_| ApiError::invalid("job id must be a uuid"))?;
-    let (step, value) = match action.as_str() {
-        "ack" => (Step::Ack, None),
-        "progress" => {
-            let b: ProgressBody =
-                optional_json(&body)?.ok_or_else(|| ApiError::invalid("body {\"progress\": {...}} is required"))?;
-            (Step::Progress, Some(b.progress))
-        }
-        "complete" => {
-            let b: CompleteBody = optional_json(&body)?.ok_or_else(|| {
-                ApiError::invalid("body {\"outcome\": \"succeeded\"|\"failed\", \"result\": {...}} is required")
-            })?;
-            (Step::Complete { succeeded: matches!(b.outcome, Outcome::Succeeded) }, Some(b.result.unwrap_or(json!({}))))
-        }
-        _ => return Err(ApiError::not_found("not_found", "no such endpoint")),
-    };
-    let (address, _) = authenticated(&state, &headers).await?;
+    let id = job_id(&id)?;
+    job_step(&state, &headers, id, Step::Ack, None).await
+}
+
+/// Report a job's progress
+#[utoipa::path(
+    post,
+    path = "/api/v1/runtime/jobs/{id}/progress",
+    tag = "runtime",
+    params(("id" = Uuid, Path, description = "The job id")),
+    request_body = ProgressBody,
+    security(("session" = [])),
+    responses(
+        (status = 200, description = "The job now", body = Job),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 409, response = Conflict),
+        (status = 413, response = TooLarge),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub async fn progress(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    ApiPath(id): ApiPath<String>,
+    ApiBody(body): ApiBody,
+) -> Result<Json<Job>, ApiError> {
+    let id = job_id(&id)?;
+    let progress = ProgressBody::parse(&body)?;
+    job_step(&state, &headers, id, Step::Progress, Some(progress)).await
+}
+
+/// Complete a job: succeeded or failed, with its result
+#[utoipa::path(
+    post,
+    path = "/api/v1/runtime/jobs/{id}/complete",
+    tag = "runtime",
+    params(("id" = Uuid, Path, description = "The job id")),
+    request_body = CompleteBody,
+    security(("session" = [])),
+    responses(
+        (status = 200, description = "The job now", body = Job),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 409, response = Conflict),
+        (status = 413, response = TooLarge),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub async fn complete(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    ApiPath(id): ApiPath<String>,
+    ApiBody(body): ApiBody,
+) -> Result<Json<Job>, ApiError> {
+    let id = job_id(&id)?;
+    let (step, result) = CompleteBody::parse(&body)?;
+    job_step(&state, &headers, id, step, Some(result)).await
+}
+
+fn job_id(id: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(id).map_err(|_| ApiError::invalid("job id must be a uuid"))
+}
+
+/// A job step once its input is checked: the session, then the step itself.
+async fn job_step(
+    state: &AppState,
+    headers: &HeaderMap,
+    id: Uuid,
+    step: Step,
+    value: Option<Value>,
+) -> Result<Json<Job>, ApiError> {
+    let (address, _) = authenticated(state, headers).await?;
     match state.registry.step(&address, id, step, value.as_ref()).await? {
         Ok(job) => Ok(Json(job)),
         Err(StepRefused::NotFound) => Err(ApiError::not_found("job_not_found", format!("job {id} not found"))),
@@ -223,7 +464,7 @@ pub async fn job_step(
 }
 
 /// One component of a server: which resource it is, and the safe projection.
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 pub struct ComponentStatus {
     component_kind: String,
     namespace: String,
@@ -232,11 +473,44 @@ pub struct ComponentStatus {
     session: SessionView,
 }
 
+#[derive(Serialize, ToSchema)]
+pub struct ServerStatus {
+    server_instance_id: String,
+    components: Vec<ComponentStatus>,
+}
+
+/// The safe projection of every component of a server
+///
+/// The caller must be allowed to `get` each of those RunSessions.
+#[utoipa::path(
+    get,
+    path = "/api/v1/runtime/servers/{server_instance_id}/status",
+    tag = "runtime",
+    params((
+        "server_instance_id" = String, Path,
+        min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$"
+    )),
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "Every component of the server", body = ServerStatus),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 422, response = Invalid),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
 pub async fn server_status(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Path(server_instance_id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+    ApiPath(server_instance_id): ApiPath<String>,
+) -> Result<Json<ServerStatus>, ApiError> {
+    // No RunSession can have another shape: saying so is no existence check.
+    if !server_instance_id_ok(&server_instance_id) {
+        return Err(ApiError::invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]"));
+    }
     let caller = state.auth.authenticate(&headers).await?;
     let identities = state.registry.identities.of_server(&server_instance_id).await?;
     if identities.is_empty() {
@@ -247,7 +521,7 @@ pub async fn server_status(
         state.auth.authorize_named(&caller, "get", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
         components.push(component_status(&state, identity).await?);
     }
-    Ok(Json(json!({"server_instance_id": server_instance_id, "components": components})))
+    Ok(Json(ServerStatus { server_instance_id, components }))
 }
 
 /// A component as its RunSession's status would show it now: live facts from the Redis
@@ -285,5 +559,88 @@ fn component(identity: &Identity, session: SessionView) -> ComponentStatus {
         namespace: identity.namespace.clone(),
         name: identity.name.clone(),
         session,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::any_input::{body_bytes, is_client_error, through_api_json};
+    use crate::run_registry::service::{component_kind_ok, name_ok};
+    use proptest::prelude::*;
+
+    fn no_nul(v: &Value) -> bool {
+        check_jsonb("v", v).is_ok()
+    }
+
+    #[test]
+    fn optional_bodies_take_empty_and_null_and_refuse_trailing_bytes() {
+        assert_eq!(ClaimBody::max_of(b"").ok(), Some(1));
+        assert_eq!(ClaimBody::max_of(b" null ").ok(), Some(1));
+        assert_eq!(ClaimBody::max_of(br#"{"max": 7}"#).ok(), Some(7));
+        let e = ClaimBody::max_of(br#"{"max": 7} x"#).err().map(|e| e.code);
+        assert_eq!(e, Some("malformed_json"));
+        assert!(ProgressBody::parse(b"null").is_err());
+        assert!(ProgressBody::parse(br#"{"progress": "a\u0000"}"#).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// Snapshots that pass are bounded, with known-shape names and amounts >= 0.
+        #[test]
+        fn run_heartbeat_bodies(bytes in body_bytes(json!({"capabilities": ["lifecycle"], "capacity": {"slots": 4}}))) {
+            match optional_json::<HeartbeatBody>(&bytes).and_then(|b| b.map(|b| b.check().map(|()| b)).transpose()) {
+                Ok(Some(b)) => {
+                    let caps = b.capabilities.unwrap_or_default();
+                    prop_assert!(caps.len() <= 32 && caps.iter().all(|c| name_ok(c)));
+                    let cap = b.capacity.unwrap_or_default();
+                    prop_assert!(cap.len() <= 32 && cap.iter().all(|(k, v)| name_ok(k) && *v >= 0));
+                }
+                Ok(None) => {}
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        /// An enqueued job names an address of an identity's shape and a payload jsonb takes.
+        #[test]
+        fn enqueue_bodies(bytes in body_bytes(json!({
+            "server_instance_id": "srv-1", "component_kind": "run", "kind": "config", "payload": {"a": 1}
+        }))) {
+            match through_api_json::<EnqueueBody>(bytes).and_then(|b| b.check().map(|()| b)) {
+                Ok(b) => {
+                    prop_assert!(server_instance_id_ok(&b.server_instance_id));
+                    prop_assert!(component_kind_ok(&b.component_kind));
+                    prop_assert!(no_nul(&b.payload));
+                }
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        /// `max` is any JSON number the caller likes; only 1..=100 passes.
+        #[test]
+        fn claim_bodies(bytes in body_bytes(json!({"max": 5}))) {
+            match ClaimBody::max_of(&bytes) {
+                Ok(max) => prop_assert!((1..=MAX_CLAIM).contains(&max)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn progress_bodies(bytes in body_bytes(json!({"progress": {"pct": 50}}))) {
+            match ProgressBody::parse(&bytes) {
+                Ok(v) => prop_assert!(no_nul(&v)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn complete_bodies(bytes in body_bytes(json!({"outcome": "succeeded", "result": {"ok": true}}))) {
+            match CompleteBody::parse(&bytes) {
+                Ok((_, v)) => prop_assert!(no_nul(&v)),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
     }
 }

@@ -35,7 +35,7 @@ text_enum! {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Job {
     pub id: Uuid,
     pub server_instance_id: String,

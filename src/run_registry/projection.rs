@@ -28,7 +28,7 @@ pub enum Lease<'a> {
 }
 
 /// The projection's fields (the JSON of the HTTP API uses these snake_case names).
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct SessionView {
     pub phase: RunPhase,
     pub online: bool,

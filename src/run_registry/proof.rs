@@ -25,8 +25,10 @@ pub fn nonce_ok(nonce: &str) -> bool {
     (16..=128).contains(&nonce.len()) && nonce.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
 }
 
+/// Any i64 is the caller's to send: the difference is taken without overflow (i64::MIN
+/// minus a positive `now` would panic in a debug build and wrap in a release one).
 pub fn within_clock_window(timestamp: i64, now: i64) -> bool {
-    (timestamp - now).abs() <= CLOCK_WINDOW_SECS
+    timestamp.abs_diff(now) <= CLOCK_WINDOW_SECS.unsigned_abs()
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -97,5 +99,62 @@ mod tests {
         assert!(within_clock_window(1000, 1300));
         assert!(!within_clock_window(1000, 1301));
         assert!(within_clock_window(1300, 1000));
+        // The extremes a caller may send (a debug build panicked on overflow here).
+        assert!(!within_clock_window(i64::MIN, 1_764_400_000));
+        assert!(!within_clock_window(i64::MAX, -1));
+        assert!(!within_clock_window(i64::MIN, i64::MAX));
+        assert!(within_clock_window(i64::MIN, i64::MIN + 300));
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn any_timestamp() -> impl Strategy<Value = i64> {
+            prop_oneof![
+                Just(i64::MIN),
+                Just(i64::MAX),
+                Just(0i64),
+                any::<i64>(),
+                (-1_000i64..1_000).prop_map(|d| 1_764_400_000 + d),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Any two i64: no panic (a debug build checks overflow), and the answer is the
+            /// arithmetic one.
+            #[test]
+            fn clock_window_is_exact_for_every_integer(t in any_timestamp(), now in any_timestamp()) {
+                let exact = (i128::from(t) - i128::from(now)).abs() <= i128::from(CLOCK_WINDOW_SECS);
+                prop_assert_eq!(within_clock_window(t, now), exact);
+            }
+        }
+
+        proptest! {
+            // Ed25519 in a debug build costs milliseconds a case.
+            #![proptest_config(ProptestConfig::with_cases(200))]
+
+            /// Whatever a caller sends as key, signature and message, verification answers
+            /// (never panics), and only the signer's own signature of that exact message passes.
+            #[test]
+            fn verification_answers_every_input(
+                server in ".{0,40}", component in ".{0,20}", generation in any::<i64>(),
+                t in any_timestamp(), nonce in ".{0,140}", junk_key in ".{0,60}", junk_sig in ".{0,100}",
+                seed in any::<[u8; 32]>(), flip in 0usize..64,
+            ) {
+                let key = SigningKey::from_bytes(&seed);
+                let pk = STANDARD.encode(key.verifying_key().to_bytes());
+                let m = hello_message(&server, &component, generation, t, &nonce);
+                let mut sig = key.sign(m.as_bytes()).to_bytes();
+                prop_assert_eq!(verify(&pk, &m, &STANDARD.encode(sig)), Ok(()));
+                sig[flip] ^= 1;
+                prop_assert!(verify(&pk, &m, &STANDARD.encode(sig)).is_err());
+                prop_assert!(verify(&junk_key, &m, &junk_sig).is_err());
+                prop_assert!(verify(&pk, &m, &junk_sig).is_err());
+                let _ = nonce_ok(&nonce);
+            }
+        }
     }
 }

@@ -9,6 +9,8 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use utoipa::ToSchema;
+use utoipa::openapi::schema::{ArrayBuilder, KnownFormat, ObjectBuilder, Schema, SchemaFormat, SchemaType, Type};
 use uuid::Uuid;
 
 use super::RegistryError;
@@ -21,27 +23,74 @@ use crate::crd::RunTarget;
 const TOKEN_PREFIX: &str = "prs1";
 const NO_CAPACITY: &BTreeMap<String, i64> = &BTreeMap::new();
 
+/// What `name_ok` accepts (with lengths 1-63): capability and capacity names.
+pub const NAME_PATTERN: &str = "^[a-z][a-z0-9_]*$";
+/// At most this many capabilities, and capacity entries.
+const MAX_SNAPSHOT_ENTRIES: usize = 32;
+
 /// The hello request (SPEC §8).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Hello {
+    #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$", example = "srv-eu1-7")]
     pub server_instance_id: String,
+    #[schema(min_length = 1, max_length = 63, pattern = "^[a-z0-9-]+$", example = "run")]
     pub component_kind: String,
+    /// The RunSession's current key generation.
+    #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::json_int::i64")]
     pub key_generation: i64,
+    /// Unix seconds; within 300 s of the operator's clock.
+    #[serde(deserialize_with = "crate::json_int::i64")]
     pub timestamp: i64,
+    #[schema(min_length = 16, max_length = 128, pattern = "^[A-Za-z0-9_-]{16,128}$", example = "Zk3q9-2LwX0aPq7T")]
     pub nonce: String,
+    /// Standard base64 of the 64-byte Ed25519 signature of the six-line hello message.
     pub signature: String,
     #[serde(default)]
+    #[schema(max_length = 64, pattern = "^[A-Za-z0-9.+_-]{0,64}$", example = "1.4.2")]
     pub version: Option<String>,
     #[serde(default)]
     pub target: Option<RunTarget>,
     #[serde(default)]
+    #[schema(schema_with = capabilities_schema)]
     pub capabilities: Option<Vec<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_map_i64")]
+    #[schema(schema_with = capacity_schema)]
     pub capacity: Option<BTreeMap<String, i64>>,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq)]
+/// The schema `check_snapshot` enforces on capabilities (null: not given).
+pub fn capabilities_schema() -> Schema {
+    ArrayBuilder::new()
+        .schema_type(SchemaType::Array(vec![Type::Array, Type::Null]))
+        .items(name_schema())
+        .max_items(Some(MAX_SNAPSHOT_ENTRIES))
+        .description(Some("Capability names, e.g. `lifecycle`"))
+        .into()
+}
+
+/// The schema `check_snapshot` enforces on capacity (null: not given).
+pub fn capacity_schema() -> Schema {
+    let amount = ObjectBuilder::new()
+        .schema_type(Type::Integer)
+        .format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64)))
+        .minimum(Some(0))
+        .maximum(Some(i64::MAX));
+    ObjectBuilder::new()
+        .schema_type(SchemaType::Array(vec![Type::Object, Type::Null]))
+        .property_names(Some(name_schema()))
+        .additional_properties(Some(amount))
+        .max_properties(Some(MAX_SNAPSHOT_ENTRIES))
+        .description(Some("Name -> non-negative amount, e.g. `slots: 4`"))
+        .into()
+}
+
+fn name_schema() -> ObjectBuilder {
+    ObjectBuilder::new().schema_type(Type::String).min_length(Some(1)).max_length(Some(63)).pattern(Some(NAME_PATTERN))
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, ToSchema)]
 pub struct Granted {
     pub session_token: String,
     pub lease_ttl_seconds: u32,
@@ -92,7 +141,7 @@ impl SessionRefused {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Invalid(pub String);
 
-fn name_ok(s: &str) -> bool {
+pub fn name_ok(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
         && b.len() <= 63
@@ -106,7 +155,7 @@ pub fn check_snapshot(
     capacity: Option<&BTreeMap<String, i64>>,
 ) -> Result<(), Invalid> {
     if let Some(caps) = capabilities {
-        if caps.len() > 32 {
+        if caps.len() > MAX_SNAPSHOT_ENTRIES {
             return Err(Invalid("capabilities: at most 32 entries".into()));
         }
         if let Some(bad) = caps.iter().find(|c| !name_ok(c)) {
@@ -114,7 +163,7 @@ pub fn check_snapshot(
         }
     }
     if let Some(cap) = capacity {
-        if cap.len() > 32 {
+        if cap.len() > MAX_SNAPSHOT_ENTRIES {
             return Err(Invalid("capacity: at most 32 entries".into()));
         }
         if let Some((k, _)) = cap.iter().find(|(k, _)| !name_ok(k)) {
@@ -130,21 +179,50 @@ pub fn check_snapshot(
 /// The shapes an identity may have (the RunSession schema's). They carry no braces, so
 /// the Redis hash tag `{server/component}` of the address's keys is always the whole
 /// address and every key of one identity is on one cluster slot.
-fn server_instance_id_ok(s: &str) -> bool {
+pub fn server_instance_id_ok(s: &str) -> bool {
     !s.is_empty() && s.len() <= 253 && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
 }
 
-fn component_kind_ok(s: &str) -> bool {
+pub fn component_kind_ok(s: &str) -> bool {
     !s.is_empty() && s.len() <= 63 && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
 }
 
-fn check_hello(h: &Hello) -> Result<(), Invalid> {
-    if !server_instance_id_ok(&h.server_instance_id) {
+/// A (server, component) address in the shape every identity has; no other can name one.
+pub fn check_address(server_instance_id: &str, component_kind: &str) -> Result<(), Invalid> {
+    if !server_instance_id_ok(server_instance_id) {
         return Err(Invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]".into()));
     }
-    if !component_kind_ok(&h.component_kind) {
-        return Err(Invalid("component_kind: a lowercase DNS label".into()));
+    if !component_kind_ok(component_kind) {
+        return Err(Invalid("component_kind: 1-63 characters of [a-z0-9-]".into()));
     }
+    Ok(())
+}
+
+/// JSON that Postgres `jsonb` can store: no NUL character in any string or key (the
+/// insert would fail, a 500, where the caller's input is at fault).
+pub fn check_jsonb(field: &str, v: &Value) -> Result<(), Invalid> {
+    fn has_nul(v: &Value) -> bool {
+        match v {
+            Value::String(s) => s.contains('\0'),
+            Value::Array(items) => items.iter().any(has_nul),
+            Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+            Value::Null | Value::Bool(_) | Value::Number(_) => false,
+        }
+    }
+    if has_nul(v) { Err(Invalid(format!("{field}: JSON without NUL characters (\\u0000)"))) } else { Ok(()) }
+}
+
+pub fn version_ok(v: &str) -> bool {
+    v.len() <= 64 && v.bytes().all(|c| c.is_ascii_alphanumeric() || b".+_-".contains(&c))
+}
+
+/// A target's `os` or `arch`.
+pub fn target_part_ok(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 32 && s.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_')
+}
+
+pub fn check_hello(h: &Hello) -> Result<(), Invalid> {
+    check_address(&h.server_instance_id, &h.component_kind)?;
     if h.key_generation < 1 {
         return Err(Invalid("key_generation: an integer >= 1".into()));
     }
@@ -152,17 +230,30 @@ fn check_hello(h: &Hello) -> Result<(), Invalid> {
         return Err(Invalid("nonce: 16-128 characters of [A-Za-z0-9_-]".into()));
     }
     if let Some(v) = &h.version
-        && (v.len() > 64 || !v.bytes().all(|c| c.is_ascii_alphanumeric() || b".+_-".contains(&c)))
+        && !version_ok(v)
     {
         return Err(Invalid("version: at most 64 characters of [A-Za-z0-9.+_-]".into()));
     }
-    if let Some(t) = &h.target {
-        let ok = |s: &str| !s.is_empty() && s.len() <= 32 && s.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_');
-        if !ok(&t.os) || !ok(&t.arch) {
-            return Err(Invalid("target: os and arch are 1-32 characters of [A-Za-z0-9_]".into()));
-        }
+    if let Some(t) = &h.target
+        && (!target_part_ok(&t.os) || !target_part_ok(&t.arch))
+    {
+        return Err(Invalid("target: os and arch are 1-32 characters of [A-Za-z0-9_]".into()));
     }
     check_snapshot(h.capabilities.as_ref(), h.capacity.as_ref())
+}
+
+/// The proof of a checked hello against its identity's key generation and public key, at
+/// `now` (Unix seconds). Pure, so every input can be tried on it.
+pub fn check_proof(h: &Hello, key_generation: i64, public_key: &str, now: i64) -> Result<(), ProofRefused> {
+    if h.key_generation != key_generation {
+        return Err(ProofRefused::StaleGeneration);
+    }
+    if !proof::within_clock_window(h.timestamp, now) {
+        return Err(ProofRefused::ClockSkew);
+    }
+    let message =
+        proof::hello_message(&h.server_instance_id, &h.component_kind, h.key_generation, h.timestamp, &h.nonce);
+    proof::verify(public_key, &message, &h.signature).map_err(|_| ProofRefused::BadSignature)
 }
 
 /// A session token: a routing part naming the identity (not secret) and 256 random bits.
@@ -228,16 +319,8 @@ impl RunRegistry {
         let Some(identity) = self.identities.live(&address).await? else {
             return Ok(Err(HelloError::Refused(ProofRefused::UnknownIdentity)));
         };
-        if h.key_generation != identity.key_generation {
-            return Ok(Err(HelloError::Refused(ProofRefused::StaleGeneration)));
-        }
-        if !proof::within_clock_window(h.timestamp, now.timestamp()) {
-            return Ok(Err(HelloError::Refused(ProofRefused::ClockSkew)));
-        }
-        let message =
-            proof::hello_message(&h.server_instance_id, &h.component_kind, h.key_generation, h.timestamp, &h.nonce);
-        if proof::verify(&identity.public_key, &message, &h.signature).is_err() {
-            return Ok(Err(HelloError::Refused(ProofRefused::BadSignature)));
+        if let Err(refused) = check_proof(h, identity.key_generation, &identity.public_key, now.timestamp()) {
+            return Ok(Err(HelloError::Refused(refused)));
         }
         let lease = self.lease_seconds(&identity);
         let token = mint_token(&address)?;
@@ -332,5 +415,87 @@ mod tests {
         assert!(check_snapshot(Some(&vec!["x".to_string(); 33]), None).is_err());
         let negative: BTreeMap<String, i64> = [("slots".to_string(), -1)].into();
         assert!(check_snapshot(None, Some(&negative)).is_err());
+    }
+
+    /// The hello path with every input (SPEC §8): the body through the handler's JSON
+    /// extractor, the shape check, then the proof against an identity, at any clock.
+    mod properties {
+        use super::*;
+        use crate::any_input::{any_string, body_bytes, is_client_error, through_api_json};
+        use base64::engine::general_purpose::STANDARD;
+        use ed25519_dalek::{Signer, SigningKey};
+        use proptest::prelude::*;
+        use serde_json::json;
+
+        fn any_time() -> impl Strategy<Value = i64> {
+            prop_oneof![Just(i64::MIN), Just(i64::MAX), Just(0i64), any::<i64>(), 1_764_399_000i64..1_764_401_000]
+        }
+
+        fn good_hello() -> Value {
+            json!({
+                "server_instance_id": "srv-eu1-7", "component_kind": "run", "key_generation": 3,
+                "timestamp": 1_764_400_000i64, "nonce": "Zk3q9-2LwX0aPq7T", "signature": "AAAA",
+                "version": "1.4.2", "target": {"os": "linux", "arch": "amd64"},
+                "capabilities": ["lifecycle"], "capacity": {"slots": 4}
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(1000))]
+
+            /// Any body, any identity generation and clock: a 4xx-worthy refusal or a
+            /// proof refusal, never a panic; an unsigned hello never passes.
+            #[test]
+            fn every_hello_body_is_answered(
+                bytes in body_bytes(good_hello()), generation in any::<i64>(), now in any_time(), seed in any::<[u8; 32]>(),
+            ) {
+                let public_key = STANDARD.encode(SigningKey::from_bytes(&seed).verifying_key().to_bytes());
+                match through_api_json::<Hello>(bytes) {
+                    Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+                    Ok(h) => {
+                        if check_hello(&h).is_ok() {
+                            prop_assert!(h.key_generation >= 1 && proof::nonce_ok(&h.nonce));
+                            for g in [generation, h.key_generation] {
+                                prop_assert!(check_proof(&h, g, &public_key, now).is_err());
+                            }
+                        }
+                    }
+                }
+            }
+
+            /// A hello signed by the identity's key passes exactly when its timestamp is
+            /// within the window of `now`, whatever the two integers are.
+            #[test]
+            fn a_signed_hello_passes_only_in_the_clock_window(
+                timestamp in any_time(), now in any_time(), generation in 1i64.., seed in any::<[u8; 32]>(),
+                server in "[A-Za-z0-9._-]{1,40}", nonce in "[A-Za-z0-9_-]{16,40}", other in any_string(),
+            ) {
+                let key = SigningKey::from_bytes(&seed);
+                let public_key = STANDARD.encode(key.verifying_key().to_bytes());
+                let message = proof::hello_message(&server, "run", generation, timestamp, &nonce);
+                let h = Hello {
+                    server_instance_id: server, component_kind: "run".into(), key_generation: generation, timestamp,
+                    nonce, signature: STANDARD.encode(key.sign(message.as_bytes()).to_bytes()),
+                    version: None, target: None, capabilities: None, capacity: None,
+                };
+                prop_assert_eq!(check_hello(&h), Ok(()));
+                let expected = if proof::within_clock_window(timestamp, now) { Ok(()) } else { Err(ProofRefused::ClockSkew) };
+                prop_assert_eq!(check_proof(&h, generation, &public_key, now), expected);
+                prop_assert_eq!(check_proof(&h, generation.wrapping_add(1), &public_key, now), Err(ProofRefused::StaleGeneration));
+                prop_assert!(check_proof(&h, generation, &other, timestamp).is_err());
+            }
+
+            /// Session tokens are the caller's text: any string is routed or refused.
+            #[test]
+            fn any_token_is_routed_or_refused(token in any_string(), route in any_string()) {
+                if let Some(a) = token_address(&token) {
+                    prop_assert!(server_instance_id_ok(&a.server_instance_id) && component_kind_ok(&a.component_kind));
+                }
+                let forged = format!("{TOKEN_PREFIX}.{}.{}", URL_SAFE_NO_PAD.encode(&route), "a".repeat(43));
+                if let Some(a) = token_address(&forged) {
+                    prop_assert!(server_instance_id_ok(&a.server_instance_id) && component_kind_ok(&a.component_kind));
+                }
+            }
+        }
     }
 }
