@@ -376,6 +376,45 @@ async fn redis_down_flushed_and_operator_restarted() {
 }
 
 #[tokio::test]
+async fn a_runsession_recreated_over_a_surviving_database_takes_its_identity_back() {
+    let w = world("reinc", &[]).await;
+    // An earlier incarnation of this namespace's srv-o-run: its row live, its object gone
+    // without its finalizer running (a control plane rebuilt or restored over this
+    // database gives objects new uids), its key generation ahead of the new one's.
+    let old = uuid::Uuid::new_v4();
+    let (_, old_public) = run_client::new_key().expect("key");
+    sqlx::query(
+        "INSERT INTO run_identities (id, namespace, name, server_instance_id, component_kind, public_key, key_generation)
+         VALUES ($1, $2, 'srv-o-run', 'srv-o', 'run', $3, 11)",
+    )
+    .bind(old)
+    .bind(&w.ns)
+    .bind(&old_public)
+    .execute(&w.db.pool)
+    .await
+    .expect("the earlier incarnation's row");
+
+    // The resource made again, with a new key at generation 1: its Run gets in.
+    let mut run = w.run("srv-o-run", "srv-o", None).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match run.hello().await {
+            Ok(_) => break,
+            Err(e) => assert!(Instant::now() < deadline, "the re-created RunSession's Run got no session: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    phase(&w.api, "srv-o-run", RunPhase::Online, 5).await;
+    let revoked: bool = sqlx::query_scalar("SELECT revoked_at IS NOT NULL FROM run_identities WHERE id = $1")
+        .bind(old)
+        .fetch_one(&w.db.pool)
+        .await
+        .expect("old row");
+    assert!(revoked, "the earlier incarnation's identity still authenticates");
+    assert!(w.op.logs().contains("taken over from an earlier resource of the same name"), "no log line says why");
+}
+
+#[tokio::test]
 async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     let w = world("ident", &[("RUST_LOG", "debug")]).await;
     let mut run = w.run("srv-i-run", "srv-i", None).await;

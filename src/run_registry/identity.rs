@@ -48,7 +48,49 @@ impl IdentityStore {
 
     /// Mirrors a resource's identity. The first live resource to claim a
     /// (server, component) owns it; a later one is a duplicate (partial unique index).
+    ///
+    /// One exception: a live row of the same namespace and name but another uid is an
+    /// earlier incarnation of this very resource that went without its finalizer running
+    /// (a control plane rebuilt or restored over this database: restored objects get new
+    /// uids). Two objects of one name cannot live at once, so that one is gone: its row is
+    /// revoked and this resource takes the identity, as a rotation (the old key's session
+    /// ends). Without this, every restored RunSession would be a duplicate of itself.
     pub async fn mirror(&self, i: &Identity) -> Result<Mirror, RegistryError> {
+        match self.upsert(i).await? {
+            Mirror::Duplicate { owner_namespace, owner_name }
+                if owner_namespace == i.namespace && owner_name == i.name =>
+            {
+                let replaced: Option<Uuid> = sqlx::query_scalar(
+                    "UPDATE run_identities SET revoked_at = now()
+                     WHERE server_instance_id = $1 AND component_kind = $2 AND revoked_at IS NULL
+                       AND namespace = $3 AND name = $4 AND id <> $5
+                     RETURNING id",
+                )
+                .bind(&i.server_instance_id)
+                .bind(&i.component_kind)
+                .bind(&i.namespace)
+                .bind(&i.name)
+                .bind(i.id)
+                .fetch_optional(&self.pool)
+                .await
+                .step("mirror identity: revoke an earlier incarnation's row")?;
+                if let Some(old) = replaced {
+                    tracing::warn!(
+                        namespace = %i.namespace, name = %i.name, old_uid = %old, uid = %i.id,
+                        "{}/{} taken over from an earlier resource of the same name that was deleted without its finalizer",
+                        i.server_instance_id, i.component_kind
+                    );
+                }
+                match self.upsert(i).await? {
+                    Mirror::Owned { .. } => Ok(Mirror::Owned { rotated: true }),
+                    duplicate => Ok(duplicate),
+                }
+            }
+            mirrored => Ok(mirrored),
+        }
+    }
+
+    async fn upsert(&self, i: &Identity) -> Result<Mirror, RegistryError> {
         let previous: Option<i64> =
             sqlx::query_scalar("SELECT key_generation FROM run_identities WHERE id = $1 AND revoked_at IS NULL")
                 .bind(i.id)
