@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use common::counts::{RedisActivity, RedisCounters, redis_counted};
 use common::measure::{Target, Window, interleave, judged, ratios, rounds, spread, window_length};
+use common::scrape::scrapes;
 use futures::{FutureExt, StreamExt};
 use prism_operator::config::RedisEndpoint;
 use prism_operator::run_registry::sessions::NewSession;
@@ -192,17 +193,20 @@ async fn main() {
 
     let http = support::http();
     let url = op.url("/metrics");
-    let expected = format!("prism_runtime_runs_online {}", online.len());
-    let scrape = move |_: usize, _: u64| {
-        let (http, url, expected) = (http.clone(), url.clone(), expected.clone());
-        async move {
-            match http.get(&url).send().await {
-                Ok(r) if r.status().is_success() => r.text().await.is_ok_and(|t| t.lines().any(|l| l == expected)),
-                _ => false,
-            }
-        }
-    };
-    assert!(scrape(0, 0).await, "a scrape reports {} Runs online", online.len());
+    let expected = Some(format!("prism_runtime_runs_online {}", online.len()));
+    let scrape = || scrapes(http.clone(), url.clone(), expected.clone());
+    assert!(
+        http.get(&url)
+            .send()
+            .await
+            .expect("scrape")
+            .text()
+            .await
+            .expect("body")
+            .contains(expected.as_deref().unwrap_or_default()),
+        "a scrape reports {} Runs online",
+        online.len()
+    );
     let keys: Vec<String> = addresses.iter().map(|a| store.session_keys(a).0).collect();
     let raw = std::sync::Arc::new(RawPipelines::new(&nodes, &keys, cluster).await);
     assert!(raw.count().await, "the raw pipelines answer");
@@ -219,7 +223,7 @@ async fn main() {
     assert_eq!(live, online.len());
 
     let sides = interleave(2, rounds(), |side, _| match side {
-        0 => redis_counted(&counters, sequential(scrape.clone())).boxed(),
+        0 => redis_counted(&counters, scrape()).boxed(),
         _ => {
             let raw = raw.clone();
             redis_counted(

@@ -127,6 +127,13 @@ impl RunClient {
         }
     }
 
+    /// Sends through `http` (and its connection pool) instead of a client of its own:
+    /// thousands of simulated Runs in one process (the scale bench) share one.
+    pub fn with_http(mut self, http: reqwest::Client) -> Self {
+        self.http = http;
+        self
+    }
+
     /// Points the client at another operator replica (same session).
     pub fn set_base(&mut self, base: &str) {
         self.base = base.trim_end_matches('/').to_string();

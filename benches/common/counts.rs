@@ -281,6 +281,41 @@ pub fn writes_since(after: &BTreeMap<String, f64>, before: &BTreeMap<String, f64
         .collect()
 }
 
+/// Peak resident set size (VmHWM) of a process in MiB; NaN when it cannot be read (the
+/// process is gone).
+pub fn peak_rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(f64::NAN)
+}
+
+/// User + system CPU seconds of a process (0 when it cannot be read).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command name (which may hold spaces): utime and stime are
+    // the 12th and 13th of them, in clock ticks (100 per second on Linux).
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// CPU seconds of every process with this name (on this machine: the bench's own
+/// control plane and the shared Postgres).
+pub fn cpu_of(comm: &str) -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0.0 };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == comm))
+        .map(cpu_seconds)
+        .sum()
+}
+
 #[cfg(test)]
 // Bench targets compile this with cfg(test) but without the harness, which drops the
 // #[test] functions and leaves the import unused there.
@@ -332,6 +367,16 @@ apiserver_request_total{code="201",component="apiserver",dry_run="",group="event
         assert_eq!(w.len(), 3, "{w:?}");
         let before: BTreeMap<String, f64> = [("POST events".to_string(), 7.0)].into();
         assert_eq!(writes_since(&w, &before).len(), 2);
+    }
+
+    #[test]
+    fn process_counters_read_this_process() {
+        let me = std::process::id();
+        let rss = peak_rss_mib(me);
+        assert!(rss > 1.0 && rss < 100_000.0, "{rss}");
+        assert!(cpu_seconds(me) >= 0.0);
+        assert!(peak_rss_mib(u32::MAX).is_nan());
+        assert_eq!(cpu_seconds(u32::MAX), 0.0);
     }
 
     #[test]

@@ -255,6 +255,27 @@ pub fn spread(values: &[f64], digits: usize) -> String {
     Spread::of(values).map_or_else(|| "-".to_string(), |s| s.show(digits))
 }
 
+/// The `p` quantile (0..=1) of some values, nearest rank; NaNs are left out, NaN when
+/// nothing is left.
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| !x.is_nan()).collect();
+    v.sort_by(f64::total_cmp);
+    let rank = ((v.len() as f64 * p).ceil() as usize).saturating_sub(1);
+    v.get(rank.min(v.len().saturating_sub(1))).copied().unwrap_or(f64::NAN)
+}
+
+/// One machine-readable line of a figure at a size, for scripts/bench-plot:
+/// `SCALE n=1000 figure=rss_mib median=42.1 min=40.0 max=44.2 rounds=5`.
+pub fn scale_line(n: usize, figure: &str, values: &[f64]) -> String {
+    match Spread::of(values) {
+        Some(s) => format!(
+            "SCALE n={n} figure={figure} median={:.4} min={:.4} max={:.4} rounds={}",
+            s.median, s.min, s.max, s.n
+        ),
+        None => format!("SCALE n={n} figure={figure} median=nan min=nan max=nan rounds=0"),
+    }
+}
+
 #[cfg(test)]
 // Bench targets compile this with cfg(test) but without the harness, which drops the
 // #[test] functions and leaves the import unused there.
@@ -311,6 +332,21 @@ mod tests {
             "0.90 (0.40-1.11) over 5 rounds   target >= 0.7: INCONCLUSIVE (the spread crosses the target)"
         );
         assert_eq!(spread(&[2400.0, 2564.4, 2700.0], 0), "2564 (2400-2700)");
+    }
+
+    #[test]
+    fn percentiles_and_scale_lines() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&v, 1.0), 100.0);
+        assert_eq!(percentile(&[3.0, f64::NAN, 1.0], 0.0), 1.0);
+        assert!(percentile(&[], 0.5).is_nan());
+        assert_eq!(
+            scale_line(1000, "rss_mib", &[40.0, 42.0, 41.0]),
+            "SCALE n=1000 figure=rss_mib median=41.0000 min=40.0000 max=42.0000 rounds=3"
+        );
+        assert_eq!(scale_line(10, "x", &[f64::NAN]), "SCALE n=10 figure=x median=nan min=nan max=nan rounds=0");
     }
 
     #[test]

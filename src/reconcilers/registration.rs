@@ -428,6 +428,23 @@ mod tests {
     }
 
     #[test]
+    fn a_status_read_back_from_the_api_server_is_not_rewritten() {
+        // Postgres keeps microseconds; Kubernetes keeps seconds.
+        let mut m = row("m", true);
+        m.registered_at += chrono::Duration::microseconds(123_456);
+        m.last_heartbeat += chrono::Duration::microseconds(654_321);
+        let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![m.clone()] };
+        let written = status_of(&m, &m, 1);
+        let read_back: ControllerRegistrationStatus =
+            serde_json::from_value(serde_json::to_value(&written).expect("json")).expect("status");
+        let mut later = m.clone();
+        later.last_heartbeat += chrono::Duration::seconds(30);
+        let next =
+            build_status(&later, &view, None, Some(1), &read_back, chrono::Duration::minutes(10), later.last_heartbeat);
+        assert!(!needs_write(&read_back, &next, Duration::from_secs(120)), "{read_back:?}\n{next:?}");
+    }
+
+    #[test]
     fn heartbeat_alone_is_written_at_most_every_status_heartbeat() {
         let m = row("m", true);
         let a = status_of(&m, &m, 1);

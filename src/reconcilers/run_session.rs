@@ -262,6 +262,21 @@ mod tests {
     }
 
     #[test]
+    fn a_status_read_back_from_the_api_server_is_not_rewritten() {
+        // Redis keeps milliseconds; Kubernetes keeps seconds. The status as the API server
+        // gives it back must compare equal to the same session's next projection.
+        let mut s = session();
+        s.started_at += chrono::Duration::milliseconds(123);
+        s.last_heartbeat += chrono::Duration::milliseconds(456);
+        let written = status(Lease::Held(&s), &Default::default());
+        let read_back: RunSessionStatus =
+            serde_json::from_value(serde_json::to_value(&written).expect("json")).expect("status");
+        s.last_heartbeat += chrono::Duration::seconds(30);
+        let next = status(Lease::Held(&s), &read_back);
+        assert!(!needs_write(&read_back, &next, Duration::from_secs(120)), "{read_back:?}\n{next:?}");
+    }
+
+    #[test]
     fn heartbeat_alone_is_written_at_most_every_10_seconds() {
         let first = status(Lease::Held(&session()), &Default::default());
         let beaten = |ms: i64| {
