@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 
 use common::converge::{self, Live, PER_PROJECT};
 use common::counts::{
-    PgActivity, RedisActivity, RedisCounters, apiserver_writes, cpu_of, cpu_seconds, info_number, peak_rss_mib,
-    redis_counted, writes_since,
+    PgActivity, RedisActivity, RedisCounters, apiserver_writes, control_plane_needle, cpu_of, cpu_seconds, info_number,
+    peak_rss_mib, redis_counted, writes_since,
 };
 use common::measure::{CONCURRENCY, Target, Window, interleave, judged, percentile, rate, rounds, scale_line, spread};
 use futures::{FutureExt, StreamExt};
@@ -157,16 +157,17 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     // round's stay up for the rest.
     println!("1. convergence of {n} registrations:");
     let mut all = Vec::new();
-    let mut kept: Option<(support::TestDb, Live)> = None;
+    // The operator stops before its database goes (tuple fields drop in order).
+    let mut kept: Option<(Live, support::TestDb)> = None;
     for round in 1..=r {
         // The previous round's operator stops before this one starts.
         drop(kept.take());
         let db = support::TestDb::new().await;
         let (result, live) = converge::convergence(cp, client, &db.url, n, &env, round).await;
         all.push(result);
-        kept = Some((db, live));
+        kept = Some((live, db));
     }
-    let Some((db, live)) = kept else { return };
+    let Some((live, db)) = kept else { return };
     let ratio: Vec<f64> = all.iter().map(|c| c.ratio).collect();
     let accepted: Vec<f64> = all.iter().map(|c| c.accepted).collect();
     let right: Vec<f64> = all.iter().map(|c| c.right_at.unwrap_or(f64::NAN)).collect();
@@ -186,13 +187,8 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     let http = support::http();
     let rs_api: Api<RunSession> = Api::namespaced(client.clone(), &live.ns);
     let t = Instant::now();
-    let mut runs = start_runs(&rs_api, &live.op.base, &http, n + CONCURRENCY).await;
-    let window_runs = runs.split_off(n);
+    let (mut tasks, window_runs) = start_runs(&rs_api, &live.op.base, &http, n, CONCURRENCY, &served).await;
     println!("   {} RunSessions created and said hello in {:.1}s", n + CONCURRENCY, t.elapsed().as_secs_f64());
-    let mut tasks = Tasks(Vec::new());
-    for (i, run) in runs.into_iter().enumerate() {
-        tasks.0.push(tokio::spawn(heartbeat_run(run, i, n, served.clone())).abort_handle());
-    }
     let token = support::agent_token(cp, &live.ns, "bench", &["create"]);
     let every = agent_heartbeat();
     for k in 0..n {
@@ -236,10 +232,18 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     drop(tasks);
 }
 
-/// `count` RunSessions (default lease) and a Run for each that said hello, through one
-/// shared HTTP client.
-async fn start_runs(api: &Api<RunSession>, base: &str, http: &reqwest::Client, count: usize) -> Vec<RunClient> {
-    let keys: Vec<(usize, ed25519_dalek::SigningKey)> = futures::stream::iter(0..count)
+/// `n + extra` RunSessions (default lease), and a Run for each that said hello, through
+/// one shared HTTP client. The first `n` start heartbeating the moment they said hello
+/// (at 10,000 the hellos take minutes, longer than a lease); the `extra` are returned.
+async fn start_runs(
+    api: &Api<RunSession>,
+    base: &str,
+    http: &reqwest::Client,
+    n: usize,
+    extra: usize,
+    served: &Arc<Served>,
+) -> (Tasks, Vec<RunClient>) {
+    let keys: Vec<(usize, ed25519_dalek::SigningKey)> = futures::stream::iter(0..n + extra)
         .map(|i| async move {
             let name = format!("r{i:05}");
             (i, support::create_run_session(api, &name, &name, None).await)
@@ -247,23 +251,33 @@ async fn start_runs(api: &Api<RunSession>, base: &str, http: &reqwest::Client, c
         .buffer_unordered(32)
         .collect()
         .await;
-    let mut runs: Vec<(usize, RunClient)> = futures::stream::iter(keys)
-        .map(|(i, key)| async move {
-            let name = format!("r{i:05}");
-            let mut run = RunClient::new(base, &name, "run", 1, key).with_http(http.clone());
-            // The identity is mirrored by the reconciler: retry until it is known.
-            let deadline = Instant::now() + Duration::from_secs(300);
-            while let Err(e) = run.hello().await {
-                assert!(Instant::now() < deadline, "hello of {name} never succeeded: {e}");
-                tokio::time::sleep(Duration::from_millis(500)).await;
+    let tasks = Mutex::new(Tasks(Vec::new()));
+    let mut extras: Vec<(usize, RunClient)> = futures::stream::iter(keys)
+        .map(|(i, key)| {
+            let tasks = &tasks;
+            async move {
+                let name = format!("r{i:05}");
+                let mut run = RunClient::new(base, &name, "run", 1, key).with_http(http.clone());
+                // The identity is mirrored by the reconciler: retry until it is known.
+                let deadline = Instant::now() + Duration::from_secs(300);
+                while let Err(e) = run.hello().await {
+                    assert!(Instant::now() < deadline, "hello of {name} never succeeded: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                if i < n {
+                    let task = tokio::spawn(heartbeat_run(run, i, n, served.clone())).abort_handle();
+                    tasks.lock().unwrap_or_else(|e| e.into_inner()).0.push(task);
+                    return None;
+                }
+                Some((i, run))
             }
-            (i, run)
         })
         .buffer_unordered(32)
+        .filter_map(std::future::ready)
         .collect()
         .await;
-    runs.sort_by_key(|(i, _)| *i);
-    runs.into_iter().map(|(_, r)| r).collect()
+    extras.sort_by_key(|(i, _)| *i);
+    (tasks.into_inner().unwrap_or_else(|e| e.into_inner()), extras.into_iter().map(|(_, r)| r).collect())
 }
 
 /// A Run's life: heartbeat every `heartbeat_interval_seconds` (the operator's answer),
@@ -333,8 +347,8 @@ async fn redis_pid(url: &str) -> u32 {
     info_number(&info, "process_id") as u32
 }
 
-/// 5. API-server writes/s and Postgres reads/s over the steady window, and 3. the peak
-/// RSS with N + N live.
+/// Figure 5, API-server writes/s and Postgres reads/s over the steady window, and figure
+/// 3, the peak RSS with N + N live.
 async fn steady_state(
     client: &kube::Client,
     db: &support::TestDb,
@@ -356,7 +370,9 @@ async fn steady_state(
     // Continuous load: Postgres publishes each backend's counters up to 10 s late at both
     // ends alike, so the difference over the window is still its work.
     let pg_before = PgActivity::read(&db.pool).await.expect("pg_stat_database");
-    let cpu_before = [cpu_seconds(pid), cpu_seconds(redis_pid), cpu_of("kube-apiserver"), cpu_of("etcd")];
+    let mine = control_plane_needle(&support::control_plane().kubeconfig);
+    let cpu_now = || [cpu_seconds(pid), cpu_seconds(redis_pid), cpu_of("kube-apiserver", &mine), cpu_of("etcd", &mine)];
+    let cpu_before = cpu_now();
     let runs_before = served.run_heartbeats.load(Ordering::Relaxed);
     let agents_before = served.agent_heartbeats.load(Ordering::Relaxed);
     let t = Instant::now();
@@ -364,12 +380,8 @@ async fn steady_state(
     let secs = t.elapsed().as_secs_f64();
     let writes = writes_since(&apiserver_writes(client).await.expect("API server /metrics"), &writes_before);
     let pg = PgActivity::read(&db.pool).await.expect("pg_stat_database").since(&pg_before);
-    let cpu = [
-        cpu_seconds(pid) - cpu_before[0],
-        cpu_seconds(redis_pid) - cpu_before[1],
-        cpu_of("kube-apiserver") - cpu_before[2],
-        cpu_of("etcd") - cpu_before[3],
-    ];
+    let cpu_after = cpu_now();
+    let cpu: Vec<f64> = cpu_after.iter().zip(cpu_before).map(|(a, b)| a - b).collect();
     let run_hb = (served.run_heartbeats.load(Ordering::Relaxed) - runs_before) as f64 / secs;
     let agent_hb = (served.agent_heartbeats.load(Ordering::Relaxed) - agents_before) as f64 / secs;
     let total: f64 = writes.values().sum();
@@ -439,7 +451,7 @@ async fn seen_by<F: Fn() -> Option<Instant>>(check: F) -> Option<Instant> {
     None
 }
 
-/// 4. Samples alternate: a project's master deleted (its peers' best is promoted), then a
+/// Figure 4. Samples alternate: a project's master deleted (its peers' best is promoted), then a
 /// Lease's holder changed; each timed until the watch shows it.
 async fn status_lag(client: &kube::Client, live: &Live, projects: usize, line: &impl Fn(&str, &[f64])) {
     let samples = lag_samples();
@@ -568,7 +580,7 @@ impl PerCore {
     }
 }
 
-/// 2. Run heartbeats per CPU second: through the operator (its CPU) vs. the raw Lua
+/// Figure 2, Run heartbeats per CPU second: through the operator (its CPU) vs. the raw Lua
 /// script (redis-server's CPU), in alternating windows at CONCURRENCY. The background
 /// Runs heartbeat through the operator in both windows; each side counts them too (the
 /// operator serves them; redis-server runs their script).

@@ -522,3 +522,45 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     let jobs = dup_run.claim(5).await.expect("claim");
     assert_eq!(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>(), ["file"]);
 }
+
+/// Every live Run's reconcile mirrors its identity, once a lease: an unchanged one must
+/// not even lock its row (a lock is a WAL record and a commit flush: the scale bench
+/// counted ~400 a second at 10,000 Runs). A changed one is written, and a rotation told.
+#[tokio::test]
+async fn mirroring_an_unchanged_identity_locks_nothing() {
+    use prism_operator::run_registry::identity::{Identity, IdentityStore, Mirror};
+    let db = TestDb::new().await;
+    let store = IdentityStore::new(db.pool.clone());
+    let mut identity = Identity {
+        id: uuid::Uuid::new_v4(),
+        namespace: "ns".into(),
+        name: "r".into(),
+        server_instance_id: "srv".into(),
+        component_kind: "run".into(),
+        public_key: "A".repeat(43) + "=",
+        key_generation: 1,
+        lease_seconds: None,
+    };
+    let xmax = || async {
+        let x: String = sqlx::query_scalar("SELECT xmax::text FROM run_identities WHERE id = $1")
+            .bind(identity.id)
+            .fetch_one(&db.pool)
+            .await
+            .expect("row");
+        x
+    };
+    assert!(matches!(store.mirror(&identity).await.expect("insert"), Mirror::Owned { rotated: false }));
+    assert_eq!(xmax().await, "0");
+    for _ in 0..3 {
+        assert!(matches!(store.mirror(&identity).await.expect("mirror"), Mirror::Owned { rotated: false }));
+    }
+    assert_eq!(xmax().await, "0", "an unchanged identity was locked (or written)");
+    identity.key_generation = 2;
+    assert!(matches!(store.mirror(&identity).await.expect("rotate"), Mirror::Owned { rotated: true }));
+    let generation: i64 = sqlx::query_scalar("SELECT key_generation FROM run_identities WHERE id = $1")
+        .bind(identity.id)
+        .fetch_one(&db.pool)
+        .await
+        .expect("row");
+    assert_eq!(generation, 2);
+}

@@ -305,15 +305,27 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// CPU seconds of every process with this name (on this machine: the bench's own
-/// control plane and the shared Postgres).
-pub fn cpu_of(comm: &str) -> f64 {
+/// CPU seconds of every process with this name whose command line holds `needle` ("":
+/// any). Other engineers' control planes run beside the bench's own: `needle` picks
+/// the bench's (`control_plane_needle`).
+pub fn cpu_of(comm: &str, needle: &str) -> f64 {
     let Ok(dir) = std::fs::read_dir("/proc") else { return 0.0 };
     dir.flatten()
         .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
         .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == comm))
+        .filter(|pid| {
+            needle.is_empty()
+                || std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
+        })
         .map(cpu_seconds)
         .sum()
+}
+
+/// What the command lines of a test control plane's etcd and kube-apiserver hold: the
+/// name of its directory (the kubeconfig's).
+pub fn control_plane_needle(kubeconfig: &std::path::Path) -> String {
+    kubeconfig.parent().and_then(|d| d.file_name()).map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -91,12 +91,22 @@ impl IdentityStore {
     }
 
     async fn upsert(&self, i: &Identity) -> Result<Mirror, RegistryError> {
-        let previous: Option<i64> =
-            sqlx::query_scalar("SELECT key_generation FROM run_identities WHERE id = $1 AND revoked_at IS NULL")
-                .bind(i.id)
-                .fetch_optional(&self.pool)
-                .await
-                .step("mirror identity: read its generation")?;
+        let previous: Option<(String, i64, Option<i32>)> = sqlx::query_as(
+            "SELECT public_key, key_generation, lease_seconds FROM run_identities WHERE id = $1 AND revoked_at IS NULL",
+        )
+        .bind(i.id)
+        .fetch_optional(&self.pool)
+        .await
+        .step("mirror identity: read it")?;
+        if previous.as_ref().is_some_and(|(key, generation, lease)| {
+            (key.as_str(), *generation, *lease) == (i.public_key.as_str(), i.key_generation, i.lease_seconds)
+        }) {
+            // Unchanged (every live Run's reconcile, once a lease): the upsert below would
+            // change nothing but still lock the row, a WAL record and a commit flush each
+            // time (the scale bench: ~400 a second at 10,000 Runs).
+            return Ok(Mirror::Owned { rotated: false });
+        }
+        let previous = previous.map(|(_, generation, _)| generation);
         let res = sqlx::query(
             "INSERT INTO run_identities (id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
