@@ -21,7 +21,7 @@
 //!     <= 100 writes/s at 10k;
 //!  6. /metrics scrape time (goal <= 100 ms at 10k).
 //!
-//!   scripts/bench scale                      (all sizes: about 45 minutes on 2 cores)
+//!   scripts/bench scale                      (all sizes: about 30 minutes on 2 cores)
 //!   BENCH_SCALE_SIZES=1000 scripts/bench scale
 //!
 //! Rounds: BENCH_ROUNDS (default 5) below 10,000; BENCH_SCALE_LARGE_ROUNDS (default 3) at
