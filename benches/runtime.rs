@@ -35,8 +35,7 @@ use kube::Api;
 use prism_operator::config::RedisEndpoint;
 use prism_operator::crd::{RunPhase, RunSession};
 use prism_operator::run_client::RunClient;
-use prism_operator::run_registry::service::token_hash;
-use prism_operator::run_registry::{RunAddress, SessionStore};
+use prism_operator::run_registry::SessionStore;
 
 async fn runs(api: &Api<RunSession>, base: &str, prefix: &str, n: usize, lease: Option<i32>) -> Vec<RunClient> {
     let mut out = Vec::new();
@@ -115,16 +114,7 @@ async fn main() {
     let raw = redis::Client::open(redis.url.as_str()).expect("redis");
     let conn = raw.get_multiplexed_async_connection().await.expect("connect");
     let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);
-    let keys: Arc<Vec<(String, String, String)>> = Arc::new(
-        hb_runs
-            .iter()
-            .map(|run| {
-                let t = RunAddress { server_instance_id: run.server_instance_id.clone(), component_kind: "run".into() };
-                let (s, r) = store.session_keys(&t);
-                (s, r, token_hash(run.token.as_deref().unwrap_or_default()))
-            })
-            .collect(),
-    );
+    let keys: Arc<Vec<(String, String, String)>> = Arc::new(common::raw::heartbeat_keys(&store, &hb_runs));
     let pg_before = settled(&db, &raw_db).await;
     let sides = interleave(2, rounds(), |side, _| match side {
         0 => {

@@ -54,8 +54,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use prism_operator::crd::{Role, RunSession};
 use prism_operator::run_client::RunClient;
-use prism_operator::run_registry::service::token_hash;
-use prism_operator::run_registry::{RunAddress, SessionStore};
+use prism_operator::run_registry::SessionStore;
 use serde_json::json;
 
 /// The operator's default PRISM_STATUS_HEARTBEAT_SECONDS: the bench runs with it.
@@ -610,16 +609,7 @@ async fn heartbeats_per_core(
         .await
         .expect("connect");
     let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);
-    let keys: Arc<Vec<(String, String, String)>> = Arc::new(
-        window_runs
-            .iter()
-            .map(|run| {
-                let t = RunAddress { server_instance_id: run.server_instance_id.clone(), component_kind: "run".into() };
-                let (s, r) = store.session_keys(&t);
-                (s, r, token_hash(run.token.as_deref().unwrap_or_default()))
-            })
-            .collect(),
-    );
+    let keys: Arc<Vec<(String, String, String)>> = Arc::new(common::raw::heartbeat_keys(&store, &window_runs));
     let sides = interleave(2, r, |side, _| {
         let (runs, conn, script, keys, counters, served) =
             (window_runs.clone(), conn.clone(), script.clone(), keys.clone(), &counters, served.clone());
