@@ -3,12 +3,8 @@
 //! release, heartbeat, read the routing table, fence. The HTTP layer parses and
 //! authorizes; this layer does the work.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
-
 use chrono::{DateTime, Utc};
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, PostParams, Preconditions};
 use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
 use tracing::warn;
@@ -19,7 +15,7 @@ use crate::crd::{
     ReleaseReason, Role, is_label_value,
 };
 use crate::db::retry_unavailable;
-use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
+use crate::election::heartbeat::HeartbeatCoalescer;
 use crate::election::{
     ElectionError, ElectionStore, LiveRole, NewRegistration, OwnedRegistration, RegisterOutcome, Registration,
 };
@@ -134,38 +130,11 @@ const DATABASE_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub const STALE_WINDOW: chrono::TimeDelta = chrono::TimeDelta::hours(24);
 
-/// Heartbeat answers given in the last coalescing window, per (namespace, session): a
-/// chatty agent costs Postgres one read per window, not one per call. Fencing writes is
-/// `/fence`'s job, which always reads Postgres.
-#[derive(Default)]
-pub struct RecentAnswers {
-    answers: Mutex<HashMap<(String, String), (Instant, LiveRole)>>,
-}
-
-impl RecentAnswers {
-    const MAX: usize = 100_000;
-
-    fn get(&self, key: &(String, String)) -> Option<LiveRole> {
-        let answers = self.answers.lock().ok()?;
-        answers.get(key).filter(|(at, _)| at.elapsed() < COALESCING_WINDOW).map(|(_, role)| role.clone())
-    }
-
-    fn put(&self, key: (String, String), role: LiveRole) {
-        if let Ok(mut answers) = self.answers.lock() {
-            if answers.len() > Self::MAX {
-                answers.retain(|_, (at, _)| at.elapsed() < COALESCING_WINDOW);
-            }
-            answers.insert(key, (Instant::now(), role));
-        }
-    }
-}
-
 #[derive(Clone)]
 pub struct AgentService {
     pub client: Client,
     pub store: ElectionStore,
     pub heartbeats: HeartbeatCoalescer,
-    pub recent: Arc<RecentAnswers>,
 }
 
 /// A readable, valid resource name for a registration: the project id folded to a DNS
@@ -200,7 +169,7 @@ fn new_resource(project_id: &str, session_id: &str, surface: AgentSurface) -> Co
 
 impl AgentService {
     pub fn new(client: Client, store: ElectionStore, heartbeats: HeartbeatCoalescer) -> Self {
-        Self { client, store, heartbeats, recent: Arc::default() }
+        Self { client, store, heartbeats }
     }
 
     /// Registers the session for the project on behalf of `caller` (the Kubernetes
@@ -290,14 +259,25 @@ impl AgentService {
         let row = &row.row;
         // Releasing a row is idempotent: retried through a short Postgres outage.
         retry_unavailable(DATABASE_RETRY, || self.store.release(row.id, ReleaseReason::Wrapped)).await?;
-        let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), &row.namespace);
-        match api.delete(&row.name, &DeleteParams::default()).await {
-            Ok(_) => {}
-            // Deleted already: the wrap is done all the same.
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(AgentError::Kube { step: "release: delete the ControllerRegistration", source: e }),
-        }
+        self.delete_resource(row, "release: delete the ControllerRegistration").await?;
         Ok(self.routing(&row.namespace, &row.project_id, None).await?)
+    }
+
+    /// Deletes the resource of `row`, and only that one: a precondition on its uid, so a
+    /// later resource that took the same name (a released registration's name is free
+    /// again once its resource is gone) is never deleted in its place. Gone already, or
+    /// replaced: nothing to delete.
+    async fn delete_resource(&self, row: &Registration, step: &'static str) -> Result<(), AgentError> {
+        let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), &row.namespace);
+        let params = DeleteParams {
+            preconditions: Some(Preconditions { uid: Some(row.id.to_string()), resource_version: None }),
+            ..Default::default()
+        };
+        match api.delete(&row.name, &params).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+            Err(e) => Err(AgentError::Kube { step, source: e }),
+        }
     }
 
     /// A registration and its owner, by id; `NotFound` if there is none.
@@ -315,27 +295,26 @@ impl AgentService {
 
     /// The heartbeat of `caller`'s session (SPEC §4 rule 8): its role, and a coalesced
     /// refresh of its registration. Another identity's session is refused and not
-    /// refreshed.
+    /// refreshed. The role is read from Postgres on every call, never from a cache: an
+    /// answer must not be older than a change committed before the call (a master
+    /// preempted a moment ago is told so on its very next call).
     pub async fn heartbeat(&self, namespace: &str, session_id: &str, caller: &str) -> Result<LiveRole, AgentError> {
-        let key = (namespace.to_string(), session_id.to_string());
-        let role = match self.recent.get(&key) {
-            Some(role) => role,
-            None => {
-                let role = self
-                    .store
-                    .live_role(namespace, session_id)
-                    .await?
-                    .ok_or_else(|| AgentError::NotRegistered(session_id.to_string()))?;
-                self.recent.put(key, role.clone());
-                role
-            }
-        };
+        let role = self.role(namespace, session_id).await?;
         if role.owner.as_deref().is_some_and(|owner| owner != caller) {
             return Err(AgentError::NotOwned(session_id.to_string()));
         }
-        // The write is coalesced: this call costs Postgres at most one indexed read.
+        // The write is coalesced: this call costs Postgres one indexed read.
         self.heartbeats.beat(namespace, session_id);
         Ok(role)
+    }
+
+    /// The session's role, read only (no heartbeat): what a caller that may read but not
+    /// heartbeat is told (SPEC §4 rule 8).
+    pub async fn role(&self, namespace: &str, session_id: &str) -> Result<LiveRole, AgentError> {
+        self.store
+            .live_role(namespace, session_id)
+            .await?
+            .ok_or_else(|| AgentError::NotRegistered(session_id.to_string()))
     }
 
     pub async fn routing(

@@ -168,6 +168,59 @@ pub struct RunArgs {
     /// same. Default: a random key kept in Postgres, shared by every replica.
     #[arg(long, env = "PRISM_MCP_SESSION_KEY", hide_env_values = true)]
     pub mcp_session_key: Option<String>,
+    /// Audiences an agent's token must be valid for (TokenReview `spec.audiences`, SPEC
+    /// §12): tokens made with `kubectl create token ... --audience prism-operator` are no
+    /// credential for the API server itself. Adding the API server's own audience (its
+    /// issuer, e.g. https://kubernetes.default.svc.cluster.local) accepts plain tokens too.
+    #[arg(long, env = "PRISM_TOKEN_AUDIENCES", value_delimiter = ',', default_value = "prism-operator")]
+    pub token_audiences: Vec<String>,
+    /// Requests per second one source address may make that cost a TokenReview (a token
+    /// not seen in the last seconds) or a hello; 429 `rate_limited` beyond it.
+    #[arg(long, env = "PRISM_UNAUTHENTICATED_RATE", default_value_t = 20,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub unauthenticated_rate: u32,
+    /// How many of those may come at once.
+    #[arg(long, env = "PRISM_UNAUTHENTICATED_BURST", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub unauthenticated_burst: u32,
+    /// Hellos per second per Run identity, and the burst (SPEC §12: 1/s, burst 10).
+    #[arg(long, env = "PRISM_HELLO_RATE", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub hello_rate: u32,
+    #[arg(long, env = "PRISM_HELLO_BURST", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub hello_burst: u32,
+    /// Live registrations one Kubernetes identity may own (SPEC §12); 429 `quota_exceeded`.
+    #[arg(long, env = "PRISM_MAX_SESSIONS_PER_IDENTITY", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_sessions_per_identity: u32,
+    /// Live registrations per namespace (SPEC §12); 429 `quota_exceeded`.
+    #[arg(long, env = "PRISM_MAX_SESSIONS_PER_NAMESPACE", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub max_sessions_per_namespace: u32,
+    /// Released registrations' resources are deleted this many hours after their release.
+    #[arg(long, env = "PRISM_RELEASED_RETENTION_HOURS", default_value_t = 24,
+          value_parser = clap::value_parser!(u32).range(1..=87_600))]
+    pub released_retention_hours: u32,
+    /// Released rows, election history and nudges are deleted after this many days.
+    #[arg(long, env = "PRISM_HISTORY_RETENTION_DAYS", default_value_t = 30,
+          value_parser = clap::value_parser!(u32).range(1..=36_500))]
+    pub history_retention_days: u32,
+    /// Postgres connections of the HTTP API (agents, Runs), and of the controllers and
+    /// background loops: two pools, so a flood of API calls cannot starve the election's
+    /// reconciles or the sweep, and /readyz does not fail because the API pool is busy.
+    #[arg(long, env = "PRISM_API_DB_CONNECTIONS", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub api_db_connections: u32,
+    #[arg(long, env = "PRISM_CONTROLLER_DB_CONNECTIONS", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub controller_db_connections: u32,
+    /// Trust the owner annotation (`prism.ntecdev.ai/owner`) of ControllerRegistrations:
+    /// only when an admission policy stamps it with the creator's username and forbids
+    /// every other value, as the chart's does (the chart sets this when it installs the
+    /// policy). Without it a kubectl registration has no known owner.
+    #[arg(long, env = "PRISM_TRUST_OWNER_ANNOTATION", default_value = "false", value_parser = parse_switch, action = clap::ArgAction::Set)]
+    pub trust_owner_annotation: bool,
     /// Run controllers and the sweep only on the holder of a coordination.k8s.io Lease.
     #[arg(long, env = "PRISM_LEADER_ELECTION", default_value = "true", value_parser = parse_switch, action = clap::ArgAction::Set)]
     pub leader_election: bool,
@@ -284,7 +337,35 @@ impl RunArgs {
         }
         self.mcp_allowed_hosts()?;
         self.mcp_session_key()?;
+        self.audiences()?;
         Ok(())
+    }
+
+    /// PRISM_TOKEN_AUDIENCES, without empty entries; at least one.
+    pub fn audiences(&self) -> Result<Vec<String>, ConfigError> {
+        let audiences: Vec<String> =
+            self.token_audiences.iter().map(|a| a.trim().to_string()).filter(|a| !a.is_empty()).collect();
+        if audiences.is_empty() {
+            return Err(ConfigError::Malformed("PRISM_TOKEN_AUDIENCES", "name at least one audience".into()));
+        }
+        if let Some(bad) = audiences.iter().find(|a| a.len() > 256 || a.chars().any(char::is_control)) {
+            return Err(ConfigError::Malformed("PRISM_TOKEN_AUDIENCES", format!("{bad:?} is not an audience")));
+        }
+        Ok(audiences)
+    }
+
+    /// The rate limits of unauthenticated work.
+    pub fn limits(&self) -> crate::api::limits::Limits {
+        use crate::api::limits::Rate;
+        use std::num::NonZeroU32;
+        let rate = |per_second: u32, burst: u32| Rate {
+            per_second: NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN),
+            burst: NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN),
+        };
+        crate::api::limits::Limits::new(
+            rate(self.unauthenticated_rate, self.unauthenticated_burst),
+            rate(self.hello_rate, self.hello_burst),
+        )
     }
 
     pub fn mcp_allowed_hosts(&self) -> Result<crate::api::mcp::AllowedHosts, ConfigError> {
@@ -345,6 +426,11 @@ mod tests {
         assert!(a.mcp_session_key.is_none());
         assert_eq!(a.redis_mode, "standalone");
         assert_eq!(a.redis_endpoint(), Ok(RedisEndpoint::Standalone("redis://x".into())));
+        assert_eq!(a.audiences(), Ok(vec!["prism-operator".to_string()]));
+        assert_eq!((a.hello_rate, a.hello_burst), (1, 10));
+        assert_eq!((a.max_sessions_per_identity, a.max_sessions_per_namespace), (100, 10_000));
+        assert_eq!((a.released_retention_hours, a.history_retention_days), (24, 30));
+        assert!(!a.trust_owner_annotation);
         assert_eq!(a.validate(), Ok(()));
     }
 
@@ -421,6 +507,17 @@ mod tests {
         assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_MCP_SESSION_KEY is malformed"));
         let parsed = run_args(&["--mcp-allowed-hosts", "a.example,b.example:80"]).unwrap();
         assert_eq!(parsed.mcp_allowed_hosts, ["a.example", "b.example:80"]);
+    }
+
+    #[test]
+    fn audiences_are_a_list_of_at_least_one() {
+        let mut a = run_args(&["--database-url", "postgres://a@b/c", "--redis-url", "redis://x"]).unwrap();
+        a.token_audiences = vec!["prism-operator".into(), " https://kubernetes.default.svc ".into()];
+        assert_eq!(a.audiences().unwrap(), ["prism-operator", "https://kubernetes.default.svc"]);
+        a.token_audiences = vec![" ".into()];
+        assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_TOKEN_AUDIENCES is malformed"));
+        let parsed = run_args(&["--token-audiences", "a,b"]).unwrap();
+        assert_eq!(parsed.token_audiences, ["a", "b"]);
     }
 
     #[test]

@@ -22,6 +22,14 @@ pub const PROJECT_LABEL: &str = "prism.ntecdev.ai/project";
 /// The finalizer that makes deleting a ControllerRegistration release it first.
 pub const REGISTRATION_FINALIZER: &str = "prism.ntecdev.ai/release";
 
+/// Printable text (SPEC §3.1): no control character (C0, DEL, C1, what `char::is_control`
+/// says). Spelled so that Go's RE2 (the API server), Python's `re` and ECMAScript read it
+/// alike: `\xHH` is a code point in all three.
+pub const PRINTABLE_PATTERN: &str = r"^[^\x00-\x1F\x7F-\x9F]*$";
+/// Longest project id and session id (characters), as the CRD and the tables have them.
+pub const PROJECT_ID_MAX: usize = 128;
+pub const SESSION_ID_MAX: usize = 256;
+
 /// Whether `v` may be a label value (63 characters of `[A-Za-z0-9._-]`, alphanumeric
 /// at both ends, or empty): spec.projectId is copied to PROJECT_LABEL only then.
 pub fn is_label_value(v: &str) -> bool {
@@ -67,11 +75,12 @@ pub fn is_label_value(v: &str) -> bool {
 ))]
 #[serde(rename_all = "camelCase")]
 pub struct ControllerRegistrationSpec {
-    /// The project this session registers for.
-    #[schemars(length(min = 1, max = 128))]
+    /// The project this session registers for (printable: no control characters).
+    #[schemars(length(min = 1, max = PROJECT_ID_MAX), pattern(PRINTABLE_PATTERN))]
     pub project_id: String,
-    /// The agent session: one task of one agent, the `session_id` of every prism call.
-    #[schemars(length(min = 1, max = 256))]
+    /// The agent session: one task of one agent, the `session_id` of every prism call
+    /// (printable: no control characters).
+    #[schemars(length(min = 1, max = SESSION_ID_MAX), pattern(PRINTABLE_PATTERN))]
     pub session_id: String,
     /// Which agent surface the session runs in; desktop sessions preempt the others.
     pub agent_surface: AgentSurface,

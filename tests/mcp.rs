@@ -397,7 +397,10 @@ async fn a_persons_token_needs_a_namespace() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-person").await;
     let db = TestDb::new().await;
-    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    // A person's token (OIDC on a real cluster, a static token here) is valid for the API
+    // server's audience only: accepting it is the explicit opt-in of SPEC §12.
+    let audiences = format!("{},{}", support::AGENT_AUDIENCE, support::API_SERVER_AUDIENCE);
+    let op = Operator::start(cp, &db.url, &ns, &[("PRISM_TOKEN_AUDIENCES", audiences.as_str())]).await;
     let token = support::person_token(cp, &ns, &["create", "delete", "get", "list"]);
     for (i, mode) in MODES.into_iter().enumerate() {
         let project = format!("PID-PERSON-{i}");

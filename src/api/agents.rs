@@ -15,7 +15,7 @@ use super::docs::{
     BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, Unauthenticated, Unavailable,
     UnsupportedMediaType,
 };
-use super::error::{ApiError, ApiJson, ApiPath, ApiQuery};
+use super::error::{ApiError, ApiJson, ApiPath, ApiQuery, ClientAddr};
 use crate::agent_sessions::{AgentError, HeartbeatReply, Registered, RouteEntry, RoutingTable};
 use crate::crd::AgentSurface;
 use crate::election::ElectionError;
@@ -34,12 +34,13 @@ pub fn check_namespace(ns: &str) -> Result<(), ApiError> {
 // The schemas below state these checks as `pattern`s (utoipa takes literals only); the
 // unit tests hold each pattern of the served document to the function it restates.
 
-/// 1 to `max` characters (Unicode scalar values, as JSON Schema's `maxLength` counts),
-/// none of them NUL: Postgres `text` cannot store one, and a 4xx beats the 500 its
-/// insert would fail with.
-pub fn check_len(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
-    if v.is_empty() || v.chars().count() > max || v.contains('\0') {
-        Err(ApiError::invalid(format!("{field} must be 1 to {max} characters, none of them NUL")))
+/// An identifier (a project or session id, SPEC §3.1): 1 to `max` characters (Unicode
+/// scalar values, as JSON Schema's `maxLength` counts), all printable. No control
+/// character (C0, DEL, C1: `char::is_control`, the schemas' `PRINTABLE_PATTERN`): a
+/// newline would split `kubectl get` rows and log lines, and a NUL cannot be stored.
+pub fn check_identifier(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
+    if v.is_empty() || v.chars().count() > max || v.chars().any(char::is_control) {
+        Err(ApiError::invalid(format!("{field} must be 1 to {max} printable characters (no control characters)")))
     } else {
         Ok(())
     }
@@ -50,9 +51,9 @@ pub fn check_len(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
 pub struct RegisterBody {
     #[schema(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "agents")]
     namespace: String,
-    #[schema(min_length = 1, max_length = 128, pattern = "^[^\\u0000]*$", example = "PID-42")]
+    #[schema(min_length = 1, max_length = 128, pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$", example = "PID-42")]
     project_id: String,
-    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\u0000]*$", example = "session-1")]
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$", example = "session-1")]
     session_id: String,
     agent_surface: AgentSurface,
 }
@@ -61,8 +62,8 @@ impl RegisterBody {
     /// Everything about the body a handler checks before any token or row is looked at.
     pub fn check(&self) -> Result<(), ApiError> {
         check_namespace(&self.namespace)?;
-        check_len("project_id", &self.project_id, 128)?;
-        check_len("session_id", &self.session_id, 256)
+        check_identifier("project_id", &self.project_id, 128)?;
+        check_identifier("session_id", &self.session_id, 256)
     }
 }
 
@@ -92,11 +93,12 @@ impl RegisterBody {
 )]
 pub async fn register(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiJson(body): ApiJson<RegisterBody>,
 ) -> Result<(StatusCode, Json<Registered>), ApiError> {
     body.check()?;
-    let caller = state.auth.authenticate(&headers).await?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
     state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
     let done = state
         .agents
@@ -138,6 +140,7 @@ pub struct ReleaseQuery {
 )]
 pub async fn release(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<ReleaseQuery>,
@@ -146,7 +149,7 @@ pub async fn release(
     if let Some(ns) = &q.namespace {
         check_namespace(ns)?;
     }
-    let caller = state.auth.authenticate(&headers).await?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
     let row = match &q.namespace {
         Some(ns) => {
             state.auth.authorize(&caller, "delete", RESOURCE, ns).await?;
@@ -186,14 +189,14 @@ pub async fn release(
 pub struct HeartbeatBody {
     #[schema(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "agents")]
     namespace: String,
-    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\u0000]*$", example = "session-1")]
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$", example = "session-1")]
     session_id: String,
 }
 
 impl HeartbeatBody {
     pub fn check(&self) -> Result<(), ApiError> {
         check_namespace(&self.namespace)?;
-        check_len("session_id", &self.session_id, 256)
+        check_identifier("session_id", &self.session_id, 256)
     }
 }
 
@@ -222,11 +225,12 @@ impl HeartbeatBody {
 )]
 pub async fn heartbeat(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiJson(body): ApiJson<HeartbeatBody>,
 ) -> Result<Json<HeartbeatReply>, ApiError> {
     body.check()?;
-    let caller = state.auth.authenticate(&headers).await?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
     state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
     state.metrics.heartbeats.inc();
     let role = state.agents.heartbeat(&body.namespace, &body.session_id, &caller.username).await?;
@@ -240,7 +244,7 @@ pub struct StatusQuery {
     #[param(required = true, max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "agents")]
     namespace: Option<String>,
     /// The caller's session: fills `caller` and counts as its heartbeat.
-    #[param(min_length = 1, max_length = 256, pattern = "^[^\\u0000]*$")]
+    #[param(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$")]
     session_id: Option<String>,
 }
 
@@ -250,9 +254,9 @@ impl StatusQuery {
         let namespace =
             self.namespace.clone().ok_or_else(|| ApiError::invalid("the namespace query parameter is required"))?;
         check_namespace(&namespace)?;
-        check_len("project_id", project_id, 128)?;
+        check_identifier("project_id", project_id, 128)?;
         if let Some(session_id) = &self.session_id {
-            check_len("session_id", session_id, 256)?;
+            check_identifier("session_id", session_id, 256)?;
         }
         Ok(namespace)
     }
@@ -264,7 +268,7 @@ impl StatusQuery {
     path = "/api/v1/controller/{project_id}/status",
     tag = "controller",
     params(
-        ("project_id" = String, Path, min_length = 1, max_length = 128, pattern = "^[^\\u0000]*$"),
+        ("project_id" = String, Path, min_length = 1, max_length = 128, pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"),
         StatusQuery,
     ),
     security(("kubernetes" = [])),
@@ -280,16 +284,21 @@ impl StatusQuery {
 )]
 pub async fn status(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiPath(project_id): ApiPath<String>,
     ApiQuery(q): ApiQuery<StatusQuery>,
 ) -> Result<Json<RoutingTable>, ApiError> {
     let namespace = q.check(&project_id)?;
-    let caller = state.auth.authenticate(&headers).await?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
     state.auth.authorize(&caller, "list", RESOURCE, &namespace).await?;
-    if let Some(session_id) = &q.session_id {
+    if let Some(session_id) = &q.session_id
+        && state.auth.allowed(&caller, "create", RESOURCE, &namespace, None).await?
+    {
         // An agent call carrying a session_id is its heartbeat (SPEC §4 rule 8) when the
-        // session is the caller's; reading the table is refused to nobody.
+        // caller may heartbeat it: it owns the session and may create registrations. A
+        // reader (a dashboard with get/list) refreshes nothing, so it cannot keep a dead
+        // session alive past the sweep. Reading the table is refused to nobody.
         match state.agents.heartbeat(&namespace, session_id, &caller.username).await {
             Ok(_) | Err(AgentError::NotRegistered(_) | AgentError::NotOwned(_)) => {}
             Err(e) => return Err(e.into()),
@@ -303,7 +312,7 @@ pub async fn status(
 pub struct FenceBody {
     #[schema(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "agents")]
     namespace: String,
-    #[schema(min_length = 1, max_length = 128, pattern = "^[^\\u0000]*$", example = "PID-42")]
+    #[schema(min_length = 1, max_length = 128, pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$", example = "PID-42")]
     project_id: String,
     /// The term a write claims to be made in.
     #[serde(deserialize_with = "crate::json_int::i64")]
@@ -313,7 +322,7 @@ pub struct FenceBody {
 impl FenceBody {
     pub fn check(&self) -> Result<(), ApiError> {
         check_namespace(&self.namespace)?;
-        check_len("project_id", &self.project_id, 128)
+        check_identifier("project_id", &self.project_id, 128)
     }
 }
 
@@ -350,11 +359,12 @@ pub struct FenceReply {
 )]
 pub async fn fence(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiJson(body): ApiJson<FenceBody>,
 ) -> Result<Json<FenceReply>, ApiError> {
     body.check()?;
-    let caller = state.auth.authenticate(&headers).await?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
     state.auth.authorize(&caller, "get", RESOURCE, &body.namespace).await?;
     match state.agents.fence(&body.namespace, &body.project_id, body.term).await? {
         Some(master) => Ok(Json(FenceReply { project_id: body.project_id, term: body.term, master })),
@@ -373,16 +383,21 @@ mod tests {
     use serde_json::json;
 
     /// What Postgres and Kubernetes will take for the text columns these bodies fill
-    /// (`VARCHAR(n)` counts characters; no `text` holds a NUL).
+    /// (`VARCHAR(n)` counts characters; no `text` holds a NUL), and what prints on one
+    /// line (no control character).
     fn storable(v: &str, max: usize) -> bool {
-        !v.is_empty() && v.chars().count() <= max && !v.contains('\0')
+        !v.is_empty() && v.chars().count() <= max && !v.chars().any(char::is_control)
     }
 
     #[test]
-    fn nul_is_refused_where_postgres_would_fail() {
-        assert!(check_len("session_id", "a\0b", 256).is_err());
-        assert!(check_len("session_id", "é".repeat(256).as_str(), 256).is_ok());
-        assert!(check_len("session_id", "é".repeat(257).as_str(), 256).is_err());
+    fn control_characters_are_refused_in_identifiers() {
+        assert!(check_identifier("session_id", "a\0b", 256).is_err());
+        for bad in ["P\nX", "P\rX", "P\tX", "P\u{7f}", "P\u{85}X", "\u{1b}[31m"] {
+            assert!(check_identifier("project_id", bad, 128).is_err(), "{bad:?}");
+        }
+        assert!(check_identifier("project_id", "PID-42 ü 日本 🚀", 128).is_ok());
+        assert!(check_identifier("session_id", "é".repeat(256).as_str(), 256).is_ok());
+        assert!(check_identifier("session_id", "é".repeat(257).as_str(), 256).is_err());
     }
 
     proptest! {

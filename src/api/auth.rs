@@ -1,29 +1,39 @@
 //! Agent authentication and authorization through the Kubernetes API: the bearer token is
-//! checked with a TokenReview, the action with a SubjectAccessReview on
-//! `controllerregistrations` in the namespace. Whoever may `kubectl create` a
-//! registration may register over HTTP, nobody else. Decisions are cached briefly so a
-//! chatty agent does not turn every call into two API round trips. Tokens are never
-//! logged; the cache is keyed by their SHA-256.
+//! checked with a TokenReview (for the operator's own audiences, SPEC §12), the action
+//! with a SubjectAccessReview on `controllerregistrations` in the namespace. Whoever may
+//! `kubectl create` a registration may register over HTTP, nobody else. Decisions are
+//! cached briefly so a chatty agent does not turn every call into two API round trips.
+//! Tokens are never logged; the token cache is keyed by their SHA-256, the decision
+//! cache by the whole identity the API server returned (username, uid, groups, extra):
+//! two tokens of one user with different groups are two identities.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::Duration;
 
 use axum::http::HeaderMap;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
 use kube::api::PostParams;
 use kube::{Api, Client};
+use moka::sync::Cache;
 use sha2::{Digest, Sha256};
 
 use super::ApiError;
+use super::limits::Limits;
 use crate::crd::GROUP;
 
 const CACHE_TTL: Duration = Duration::from_secs(10);
-const CACHE_MAX: usize = 10_000;
+/// Entries per cache. moka's admission policy (TinyLFU) keeps the tokens that are used
+/// over a flood of one-off random ones, so a flood neither wipes nor crowds out the
+/// agents' entries.
+const CACHE_MAX: u64 = 10_000;
+
+/// The audience `kubectl create token … --audience` gives agents (SPEC §12).
+pub const DEFAULT_AUDIENCE: &str = "prism-operator";
 
 /// Who made the request, as the API server told us.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Caller {
     pub username: String,
     pub uid: Option<String>,
@@ -31,32 +41,27 @@ pub struct Caller {
     pub extra: BTreeMap<String, Vec<String>>,
 }
 
-/// A value with the time it was learned.
-type Cache<K, V> = Mutex<HashMap<K, (Instant, V)>>;
-/// (username, verb, resource, namespace, name)
-type Question = (String, String, String, String, String);
+/// One authorization question, asked by one whole identity.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Question {
+    caller: Caller,
+    verb: String,
+    resource: String,
+    namespace: String,
+    name: Option<String>,
+}
 
 pub struct Authorizer {
     client: Client,
+    /// The audiences a token must be valid for (PRISM_TOKEN_AUDIENCES).
+    audiences: Vec<String>,
     tokens: Cache<[u8; 32], Option<Caller>>,
     decisions: Cache<Question, bool>,
+    limits: std::sync::Arc<Limits>,
 }
 
-fn cached<K: std::hash::Hash + Eq + Clone, V: Clone>(map: &Mutex<HashMap<K, (Instant, V)>>, key: &K) -> Option<V> {
-    let map = map.lock().ok()?;
-    map.get(key).filter(|(at, _)| at.elapsed() < CACHE_TTL).map(|(_, v)| v.clone())
-}
-
-fn remember<K: std::hash::Hash + Eq, V>(map: &Mutex<HashMap<K, (Instant, V)>>, key: K, value: V) {
-    if let Ok(mut map) = map.lock() {
-        if map.len() >= CACHE_MAX {
-            map.retain(|_, (at, _)| at.elapsed() < CACHE_TTL);
-            if map.len() >= CACHE_MAX {
-                map.clear();
-            }
-        }
-        map.insert(key, (Instant::now(), value));
-    }
+fn short_lived<K: std::hash::Hash + Eq + Send + Sync + 'static, V: Clone + Send + Sync + 'static>() -> Cache<K, V> {
+    Cache::builder().max_capacity(CACHE_MAX).time_to_live(CACHE_TTL).build()
 }
 
 /// The bearer token of a request, if it has one.
@@ -67,22 +72,46 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
+/// Is the TokenReview's answer an identity for one of `wanted`? The API server answers
+/// with the audiences (of those asked for) the token is valid for; a client must check
+/// that the intersection is not empty rather than trust `authenticated` alone.
+fn accepted(status: &k8s_openapi::api::authentication::v1::TokenReviewStatus, wanted: &[String]) -> Option<Caller> {
+    if status.authenticated != Some(true) {
+        return None;
+    }
+    let audiences = status.audiences.as_deref().unwrap_or_default();
+    if !audiences.iter().any(|a| wanted.contains(a)) {
+        return None;
+    }
+    let user = status.user.as_ref()?;
+    let username = user.username.clone().filter(|u| !u.is_empty())?;
+    Some(Caller {
+        username,
+        uid: user.uid.clone(),
+        groups: user.groups.clone().unwrap_or_default(),
+        extra: user.extra.clone().unwrap_or_default(),
+    })
+}
+
 impl Authorizer {
-    pub fn new(client: Client) -> Self {
-        Self { client, tokens: Mutex::default(), decisions: Mutex::default() }
+    pub fn new(client: Client, audiences: Vec<String>, limits: std::sync::Arc<Limits>) -> Self {
+        Self { client, audiences, tokens: short_lived(), decisions: short_lived(), limits }
     }
 
     /// TokenReview: who is this? 401 `unauthenticated` without a token, 401
-    /// `invalid_token` for one the API server does not accept.
-    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    /// `invalid_token` for one the API server does not accept for our audiences. A token
+    /// not seen in the last seconds costs a TokenReview, which the caller's address pays
+    /// for from its budget of unauthenticated requests (429 `rate_limited` when spent).
+    pub async fn authenticate(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Result<Caller, ApiError> {
         let token = bearer(headers)
             .ok_or_else(|| ApiError::unauthenticated("unauthenticated", "a Kubernetes bearer token is required"))?;
         let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let caller = match cached(&self.tokens, &key) {
+        let caller = match self.tokens.get(&key) {
             Some(c) => c,
             None => {
+                self.limits.unauthenticated(peer)?;
                 let review = TokenReview {
-                    spec: TokenReviewSpec { token: token.to_string(), audiences: None },
+                    spec: TokenReviewSpec { token: token.to_string(), audiences: Some(self.audiences.clone()) },
                     ..Default::default()
                 };
                 let done = Api::<TokenReview>::all(self.client.clone())
@@ -91,21 +120,17 @@ impl Authorizer {
                     .map_err(|e| {
                     ApiError::unavailable("kubernetes_unavailable", format!("TokenReview failed: {e}"))
                 })?;
-                let status = done.status.unwrap_or_default();
-                let caller = match (status.authenticated, status.user) {
-                    (Some(true), Some(user)) => Some(Caller {
-                        username: user.username.unwrap_or_default(),
-                        uid: user.uid,
-                        groups: user.groups.unwrap_or_default(),
-                        extra: user.extra.unwrap_or_default(),
-                    }),
-                    _ => None,
-                };
-                remember(&self.tokens, key, caller.clone());
+                let caller = done.status.as_ref().and_then(|s| accepted(s, &self.audiences));
+                self.tokens.insert(key, caller.clone());
                 caller
             }
         };
-        caller.ok_or_else(|| ApiError::unauthenticated("invalid_token", "the bearer token was not accepted"))
+        caller.ok_or_else(|| {
+            ApiError::unauthenticated(
+                "invalid_token",
+                "the bearer token was not accepted (tokens need the audience the operator asks for: kubectl create token ... --audience prism-operator)",
+            )
+        })
     }
 
     /// SubjectAccessReview: may `caller` do `verb` on `resource` in `namespace`?
@@ -129,53 +154,115 @@ impl Authorizer {
         namespace: &str,
         name: Option<&str>,
     ) -> Result<(), ApiError> {
-        let key = (
-            caller.username.clone(),
-            verb.to_string(),
-            resource.to_string(),
-            namespace.to_string(),
-            name.unwrap_or_default().to_string(),
-        );
-        let allowed = match cached(&self.decisions, &key) {
-            Some(a) => a,
-            None => {
-                let review = SubjectAccessReview {
-                    spec: SubjectAccessReviewSpec {
-                        user: Some(caller.username.clone()),
-                        uid: caller.uid.clone(),
-                        groups: Some(caller.groups.clone()),
-                        extra: Some(caller.extra.clone()),
-                        resource_attributes: Some(ResourceAttributes {
-                            namespace: Some(namespace.to_string()),
-                            verb: Some(verb.to_string()),
-                            group: Some(GROUP.to_string()),
-                            resource: Some(resource.to_string()),
-                            name: name.map(str::to_string),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    },
-                    ..Default::default()
-                };
-                let done = Api::<SubjectAccessReview>::all(self.client.clone())
-                    .create(&PostParams::default(), &review)
-                    .await
-                    .map_err(|e| {
-                        ApiError::unavailable("kubernetes_unavailable", format!("SubjectAccessReview failed: {e}"))
-                    })?;
-                let allowed = done.status.map(|s| s.allowed).unwrap_or(false);
-                remember(&self.decisions, key, allowed);
-                allowed
-            }
-        };
-        if allowed {
+        if self.allowed(caller, verb, resource, namespace, name).await? {
             Ok(())
         } else {
+            // Names the caller, the verb and the namespace the caller asked about: nothing
+            // the caller did not say itself.
             Err(ApiError::forbidden(format!(
-                "{} may not {verb} {resource}.{GROUP}{} in namespace {namespace}",
-                caller.username,
-                name.map(|n| format!(" {n}")).unwrap_or_default()
+                "{} may not {verb} {resource}.{GROUP} in namespace {namespace}",
+                caller.username
             )))
         }
+    }
+
+    /// The answer alone (errors only when the API server cannot be asked).
+    pub async fn allowed(
+        &self,
+        caller: &Caller,
+        verb: &str,
+        resource: &str,
+        namespace: &str,
+        name: Option<&str>,
+    ) -> Result<bool, ApiError> {
+        let key = Question {
+            caller: caller.clone(),
+            verb: verb.to_string(),
+            resource: resource.to_string(),
+            namespace: namespace.to_string(),
+            name: name.map(str::to_string),
+        };
+        if let Some(allowed) = self.decisions.get(&key) {
+            return Ok(allowed);
+        }
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(caller.username.clone()),
+                uid: caller.uid.clone(),
+                groups: Some(caller.groups.clone()),
+                extra: Some(caller.extra.clone()),
+                resource_attributes: Some(ResourceAttributes {
+                    namespace: Some(namespace.to_string()),
+                    verb: Some(verb.to_string()),
+                    group: Some(GROUP.to_string()),
+                    resource: Some(resource.to_string()),
+                    name: name.map(str::to_string),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let done = Api::<SubjectAccessReview>::all(self.client.clone())
+            .create(&PostParams::default(), &review)
+            .await
+            .map_err(|e| {
+            ApiError::unavailable("kubernetes_unavailable", format!("SubjectAccessReview failed: {e}"))
+        })?;
+        let allowed = done.status.map(|s| s.allowed).unwrap_or(false);
+        self.decisions.insert(key, allowed);
+        Ok(allowed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::authentication::v1::{TokenReviewStatus, UserInfo};
+
+    fn status(authenticated: bool, audiences: &[&str], username: &str) -> TokenReviewStatus {
+        TokenReviewStatus {
+            authenticated: Some(authenticated),
+            audiences: Some(audiences.iter().map(|a| a.to_string()).collect()),
+            user: Some(UserInfo { username: Some(username.into()), ..Default::default() }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_token_is_accepted_only_for_an_audience_asked_for() {
+        let wanted = vec![DEFAULT_AUDIENCE.to_string()];
+        assert_eq!(
+            accepted(&status(true, &["prism-operator"], "alice"), &wanted).map(|c| c.username),
+            Some("alice".into())
+        );
+        assert_eq!(accepted(&status(true, &["https://kubernetes.default.svc"], "alice"), &wanted), None);
+        assert_eq!(accepted(&status(true, &[], "alice"), &wanted), None, "no audience said: not ours");
+        assert_eq!(accepted(&status(false, &["prism-operator"], "alice"), &wanted), None);
+        assert_eq!(accepted(&status(true, &["prism-operator"], ""), &wanted), None, "no username, no identity");
+    }
+
+    #[test]
+    fn two_tokens_of_one_user_with_other_groups_are_two_questions() {
+        let alice = |groups: &[&str]| Caller {
+            username: "alice".into(),
+            uid: Some("u1".into()),
+            groups: groups.iter().map(|g| g.to_string()).collect(),
+            extra: BTreeMap::new(),
+        };
+        let q = |caller: Caller| Question {
+            caller,
+            verb: "create".into(),
+            resource: "controllerregistrations".into(),
+            namespace: "ns".into(),
+            name: None,
+        };
+        let cache: Cache<Question, bool> = Cache::builder().max_capacity(10).build();
+        cache.insert(q(alice(&["admins"])), true);
+        assert_eq!(cache.get(&q(alice(&["admins"]))), Some(true));
+        assert_eq!(cache.get(&q(alice(&["viewers"]))), None, "another group set asks again");
+        let mut extra = alice(&["admins"]);
+        extra.extra.insert("scopes".into(), vec!["read".into()]);
+        assert_eq!(cache.get(&q(extra)), None, "another extra asks again");
     }
 }

@@ -197,7 +197,7 @@ mod tests {
     use proptest::prelude::*;
     use serde_json::Value;
 
-    use crate::api::agents::{check_len, check_namespace};
+    use crate::api::agents::{check_identifier, check_namespace};
     use crate::run_registry::proof::nonce_ok;
     use crate::run_registry::service::{component_kind_ok, name_ok, server_instance_id_ok, target_part_ok, version_ok};
 
@@ -370,8 +370,8 @@ mod tests {
     /// Each schema of a hand-checked string and the check it restates.
     fn pairs() -> Vec<(&'static str, StringSchema, Check)> {
         let ns: Check = |s| check_namespace(s).is_ok();
-        let project: Check = |s| check_len("", s, 128).is_ok();
-        let session: Check = |s| check_len("", s, 256).is_ok();
+        let project: Check = |s| check_identifier("", s, 128).is_ok();
+        let session: Check = |s| check_identifier("", s, 256).is_ok();
         let server: Check = server_instance_id_ok;
         let s = "/components/schemas";
         let pairs: Vec<(&str, &Value, Check)> = vec![

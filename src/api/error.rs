@@ -34,11 +34,21 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// Sent as `Retry-After` (whole seconds, rounded up): 429 answers carry it.
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self { status, code, message: message.into(), retry_after: None }
+    }
+    /// SPEC §12: a rate limit spent; `retry_after` says when the next try may pass.
+    pub fn rate_limited(message: impl Into<String>, retry_after: std::time::Duration) -> Self {
+        Self { retry_after: Some(retry_after), ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", message) }
+    }
+    /// SPEC §12: a quota of live objects is full.
+    pub fn quota_exceeded(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message)
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", message)
@@ -76,7 +86,12 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = ErrorBody { error: ErrorDetail { code: self.code, message: self.message } };
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(wait) = self.retry_after {
+            let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
@@ -199,6 +214,19 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
             Ok(axum::extract::Query(v)) => Ok(ApiQuery(v)),
             Err(rejection) => Err(ApiError::new(StatusCode::BAD_REQUEST, "bad_request", rejection.body_text())),
         }
+    }
+}
+
+/// The address of the peer that sent the request, when the server says (it does: the
+/// router is served with `ConnectInfo`); what rate limits of unauthenticated work key on.
+pub struct ClientAddr(pub Option<std::net::IpAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for ClientAddr {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let info = parts.extensions.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>();
+        Ok(ClientAddr(info.map(|c| c.0.ip())))
     }
 }
 

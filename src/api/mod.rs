@@ -23,6 +23,7 @@ pub mod agents;
 pub mod auth;
 pub mod docs;
 pub mod error;
+pub mod limits;
 pub mod mcp;
 pub mod runs;
 pub mod strict;
@@ -36,6 +37,7 @@ pub struct AppState {
     pub db: PgPool,
     pub kube: kube::Client,
     pub auth: auth::Authorizer,
+    pub limits: Arc<limits::Limits>,
     pub agents: AgentService,
     pub registry: RunRegistry,
     pub metrics: Arc<Metrics>,

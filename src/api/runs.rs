@@ -21,7 +21,7 @@ use super::docs::{
     BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, Unauthenticated, Unavailable,
     UnsupportedMediaType,
 };
-use super::error::{ApiBody, ApiError, ApiJson, ApiPath};
+use super::error::{ApiBody, ApiError, ApiJson, ApiPath, ClientAddr};
 use kube::Api;
 
 use crate::crd::RunSession;
@@ -97,8 +97,11 @@ fn session_refused(r: SessionRefused) -> ApiError {
 )]
 pub async fn hello(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     ApiJson(body): ApiJson<Hello>,
 ) -> Result<(StatusCode, Json<Granted>), ApiError> {
+    // Before any lookup: a hello costs Postgres reads and a signature check.
+    state.limits.hello(&format!("{}/{}", body.server_instance_id, body.component_kind), peer)?;
     match state.registry.hello(&body, Utc::now()).await? {
         Ok((identity, granted)) => {
             // The session is granted whatever happens next; a lost signal only delays
@@ -225,11 +228,12 @@ impl EnqueueBody {
 )]
 pub async fn enqueue(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiJson(body): ApiJson<EnqueueBody>,
 ) -> Result<(StatusCode, Json<Job>), ApiError> {
     body.check()?;
-    let caller = state.auth.authenticate(&headers).await?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
     let address = RunAddress { server_instance_id: body.server_instance_id, component_kind: body.component_kind };
     let Some(identity) = state.registry.identities.live(&address).await? else {
         return Err(ApiError::not_found(
@@ -504,6 +508,7 @@ pub struct ServerStatus {
 )]
 pub async fn server_status(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiPath(server_instance_id): ApiPath<String>,
 ) -> Result<Json<ServerStatus>, ApiError> {
@@ -511,7 +516,7 @@ pub async fn server_status(
     if !server_instance_id_ok(&server_instance_id) {
         return Err(ApiError::invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]"));
     }
-    let caller = state.auth.authenticate(&headers).await?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
     let identities = state.registry.identities.of_server(&server_instance_id).await?;
     if identities.is_empty() {
         return Err(ApiError::not_found("unknown_server", format!("no RunSession for server {server_instance_id}")));

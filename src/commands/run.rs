@@ -42,9 +42,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     start_leader_work(&args, &kube, &election, &registry, &metrics, stop_rx.clone());
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
     let mcp = mcp_config(&args, &pool).await?;
+    let limits = Arc::new(args.limits());
+    spawn_limit_pruning(limits.clone());
     let state = Arc::new(AppState {
         db: pool,
-        auth: api::auth::Authorizer::new(kube.clone()),
+        auth: api::auth::Authorizer::new(kube.clone(), args.audiences()?, limits.clone()),
+        limits,
         agents: AgentService::new(kube.clone(), election, heartbeats),
         kube,
         registry,
@@ -137,6 +140,18 @@ fn start_leader_work(
     }
 }
 
+/// Rate-limit buckets that are full again are forgotten every few seconds, so the
+/// limiters hold only the addresses and identities seen lately.
+fn spawn_limit_pruning(limits: Arc<api::limits::Limits>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tick.tick().await;
+            limits.prune();
+        }
+    });
+}
+
 /// Serves the HTTP API until `stop` says so.
 async fn serve_api(
     args: &RunArgs,
@@ -147,7 +162,7 @@ async fn serve_api(
         .await
         .with_context(|| format!("cannot listen on {} (PRISM_LISTEN)", args.listen))?;
     info!(listen = %args.listen, "HTTP API serving");
-    axum::serve(listener, api::router(state))
+    axum::serve(listener, api::router(state).into_make_service_with_connect_info::<std::net::SocketAddr>())
         .with_graceful_shutdown(async move {
             let _ = stop.wait_for(|stop| *stop).await;
         })

@@ -615,6 +615,18 @@ pub fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, ve
     let account = serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": namespace}});
     let subject = serde_json::json!({"kind": "ServiceAccount", "name": sa, "namespace": namespace});
     bind(cp, namespace, sa, subject, resource, verbs, Some(account));
+    cp.kubectl_ok(&["create", "token", sa, "-n", namespace, "--audience", AGENT_AUDIENCE]).trim().to_string()
+}
+
+/// The audience agents' tokens are made for, as the README says (SPEC §12).
+pub const AGENT_AUDIENCE: &str = "prism-operator";
+/// The control plane's own audience (its ServiceAccount issuer): what a token made
+/// without `--audience`, and a person's static token, are valid for.
+pub const API_SERVER_AUDIENCE: &str = "https://kubernetes.default.svc.cluster.local";
+
+/// A token of ServiceAccount `sa` for the API server's own audience (no `--audience`):
+/// a full credential for the cluster, which the operator refuses by default.
+pub fn api_server_token(cp: &ControlPlane, namespace: &str, sa: &str) -> String {
     cp.kubectl_ok(&["create", "token", sa, "-n", namespace]).trim().to_string()
 }
 

@@ -87,7 +87,8 @@ impl Endpoint {
     async fn gate(&self, request: Request) -> Result<Response, Response> {
         let (mut parts, body) = request.into_parts();
         self.state.mcp.allowed_hosts.check(&parts.uri, &parts.headers).map_err(IntoResponse::into_response)?;
-        let caller = self.state.auth.authenticate(&parts.headers).await.map_err(unauthorized)?;
+        let peer = parts.extensions.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
+        let caller = self.state.auth.authenticate(&parts.headers, peer).await.map_err(unauthorized)?;
         let facts = self.session(&parts.headers, &caller).map_err(|r| *r)?;
         if parts.method != Method::POST {
             // GET (a standalone SSE stream) and DELETE (end a session): rmcp's stateless

@@ -20,10 +20,10 @@ use uuid::Uuid;
 
 use super::SessionFacts;
 use crate::agent_sessions::{AgentError, HeartbeatReply, RouteEntry};
-use crate::api::agents::{RESOURCE, check_len, check_namespace};
+use crate::api::agents::{RESOURCE, check_identifier, check_namespace};
 use crate::api::auth::Caller;
 use crate::api::{ApiError, AppState};
-use crate::crd::{AgentSurface, Role};
+use crate::crd::{AgentSurface, PRINTABLE_PATTERN, Role};
 use crate::election::LiveRole;
 
 /// The header that names a call's namespace when its arguments do not.
@@ -86,10 +86,10 @@ impl ToolName {
     fn build_definition(self) -> Tool {
         let namespace = json!({"type": "string", "description": "Kubernetes namespace of the project (default: the X-Prism-Namespace header, else your ServiceAccount's namespace)", "maxLength": 63});
         let session = |required: bool| {
-            json!({"type": "string", "minLength": 1, "maxLength": 256, "description":
+            json!({"type": "string", "minLength": 1, "maxLength": 256, "pattern": PRINTABLE_PATTERN, "description":
                 if required { KEEP_SESSION } else { "Your session_id from prism_start, if you have one. Omit it on the first call: a new one is minted and returned." }})
         };
-        let project = json!({"type": "string", "minLength": 1, "maxLength": 128, "description": "The project (the same id every session of the project uses)"});
+        let project = json!({"type": "string", "minLength": 1, "maxLength": 128, "pattern": PRINTABLE_PATTERN, "description": "The project (the same id every session of the project uses)"});
         let (description, properties, required): (&str, Value, &[&str]) = match self {
             ToolName::Start => (
                 "Join a project for this task. Call it ONCE per task, at the start; keep the returned session_id and pass it to every later prism call. Returns whether you are master (the one session that may act as the project's controller) or a peer, the election term, and the routing table. Starting on another project leaves the previous one.",
@@ -321,10 +321,18 @@ impl PrismTools {
     }
 
     /// D2: the call is the session's heartbeat (coalesced, and refused for another
-    /// identity's session); D6: its role. A session with no live registration has no role.
+    /// identity's session) when the caller may heartbeat it (SPEC §4 rule 8: it may
+    /// `create` registrations here); a reader's call only reads the role. D6: its role.
+    /// A session with no live registration has no role.
     async fn touch(&self, namespace: &str, session_id: &str, cx: &CallContext<'_>) -> Result<SessionState, ApiError> {
         let agents = &self.state.agents;
-        match agents.heartbeat(namespace, session_id, &cx.caller.username).await {
+        let may_beat = self.state.auth.allowed(cx.caller, "create", RESOURCE, namespace, None).await?;
+        let live = if may_beat {
+            agents.heartbeat(namespace, session_id, &cx.caller.username).await
+        } else {
+            agents.role(namespace, session_id).await
+        };
+        match live {
             Ok(live) => {
                 let master = if live.preempted && !live.is_master {
                     agents.routing(namespace, &live.project_id, None).await?.master
@@ -339,9 +347,9 @@ impl PrismTools {
     }
 
     async fn start(&self, args: StartArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_len("project_id", &args.project_id, 128)?;
+        check_identifier("project_id", &args.project_id, 128)?;
         if let Some(s) = &args.session_id {
-            check_len("session_id", s, 256)?;
+            check_identifier("session_id", s, 256)?;
         }
         let namespace = self.authorize(ToolName::Start, args.namespace, cx).await?;
         // The argument always wins over what the client's name suggests.
@@ -377,7 +385,7 @@ impl PrismTools {
     }
 
     async fn wrap(&self, args: SessionArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_len("session_id", &args.session_id, 256)?;
+        check_identifier("session_id", &args.session_id, 256)?;
         let namespace = self.authorize(ToolName::Wrap, args.namespace, cx).await?;
         let agents = &self.state.agents;
         let row = agents.live_session(&namespace, &args.session_id).await?;
@@ -401,9 +409,9 @@ impl PrismTools {
     }
 
     async fn status(&self, args: StatusArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_len("project_id", &args.project_id, 128)?;
+        check_identifier("project_id", &args.project_id, 128)?;
         if let Some(s) = &args.session_id {
-            check_len("session_id", s, 256)?;
+            check_identifier("session_id", s, 256)?;
         }
         let namespace = self.authorize(ToolName::Status, args.namespace, cx).await?;
         let session = match &args.session_id {
@@ -423,7 +431,7 @@ impl PrismTools {
     }
 
     async fn heartbeat(&self, args: SessionArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_len("session_id", &args.session_id, 256)?;
+        check_identifier("session_id", &args.session_id, 256)?;
         let namespace = self.authorize(ToolName::Heartbeat, args.namespace, cx).await?;
         self.state.metrics.heartbeats.inc();
         let live = self.state.agents.heartbeat(&namespace, &args.session_id, &cx.caller.username).await?;
@@ -445,9 +453,9 @@ impl PrismTools {
     }
 
     async fn fence(&self, args: FenceArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_len("project_id", &args.project_id, 128)?;
+        check_identifier("project_id", &args.project_id, 128)?;
         if let Some(s) = &args.session_id {
-            check_len("session_id", s, 256)?;
+            check_identifier("session_id", s, 256)?;
         }
         let namespace = self.authorize(ToolName::Fence, args.namespace, cx).await?;
         let session = match &args.session_id {
