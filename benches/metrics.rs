@@ -173,6 +173,7 @@ async fn main() {
                     token_hash: "bench",
                     session_id: uuid::Uuid::new_v4(),
                     generation: 1,
+                    epoch: 1,
                     now: chrono::Utc::now(),
                     lease: Duration::from_secs(3600),
                     version: None,

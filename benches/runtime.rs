@@ -153,18 +153,19 @@ async fn main() {
     // (b) claims, one job per claim: the API's jobs in the operator's database, the
     // baseline's in its own.
     let claim_runs = Arc::new(runs(&api, &op.base, "cl", CONCURRENCY, None).await);
-    let fill = |pool: sqlx::PgPool, prefix: &'static str| async move {
+    let fill = |pool: sqlx::PgPool, prefix: &'static str, ns: String| async move {
         sqlx::query(
-            "INSERT INTO runtime_jobs (server_instance_id, component_kind, kind)
-             SELECT $1 || '-' || (g % 16), 'run', 'config' FROM generate_series(1, 200000) g",
+            "INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind)
+             SELECT $2, $1 || '-' || (g % 16), 'run', 'config' FROM generate_series(1, 200000) g",
         )
         .bind(prefix)
+        .bind(ns)
         .execute(&pool)
         .await
         .expect("fill");
     };
-    fill(db.pool.clone(), "cl").await;
-    fill(raw_db.pool.clone(), "raw").await;
+    fill(db.pool.clone(), "cl", ns.clone()).await;
+    fill(raw_db.pool.clone(), "raw", ns.clone()).await;
     // Statistics for the planner, as autovacuum would give them after a bulk insert: not
     // left to happen inside one side's window.
     for pool in [&db.pool, &raw_db.pool] {
@@ -189,18 +190,21 @@ async fn main() {
         }
         _ => {
             let pool = raw_db.pool.clone();
+            let ns = ns.clone();
             counted(&counters, move |i, _| {
-                let pool = pool.clone();
+                let (pool, ns) = (pool.clone(), ns.clone());
                 async move {
+                    // The namespace too, as every claim asks (jobs belong to a namespace).
                     let row: Option<(uuid::Uuid,)> = sqlx::query_as(
                         "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), visible_at = now() + interval '60 seconds',
                              attempts = attempts + 1
                          WHERE id IN (SELECT id FROM runtime_jobs
-                                      WHERE server_instance_id = $1 AND component_kind = 'run' AND state = 'queued'
+                                      WHERE namespace = $2 AND server_instance_id = $1 AND component_kind = 'run' AND state = 'queued'
                                       ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED)
                          RETURNING id",
                     )
                     .bind(format!("raw-{i}"))
+                    .bind(ns)
                     .fetch_optional(&pool)
                     .await
                     .ok()

@@ -4,15 +4,16 @@
 //! authorizes; this layer does the work.
 
 use chrono::{DateTime, Utc};
-use kube::api::{DeleteParams, PostParams, Preconditions};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use serde_json::json;
 use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
 use tracing::warn;
 use uuid::Uuid;
 
 use crate::crd::{
-    AgentSurface, ControllerRegistration, ControllerRegistrationSpec, PROJECT_LABEL, REGISTRATION_FINALIZER,
-    ReleaseReason, Role, is_label_value,
+    AgentSurface, ControllerRegistration, ControllerRegistrationSpec, OWNER_ANNOTATION, PROJECT_LABEL,
+    REGISTERED_BY_ANNOTATION, REGISTERED_BY_API, REGISTRATION_FINALIZER, ReleaseReason, Role, is_label_value,
 };
 use crate::db::retry_unavailable;
 use crate::election::heartbeat::HeartbeatCoalescer;
@@ -37,6 +38,8 @@ pub enum AgentError {
     NotOwned(String),
     #[error("register: the API server gave the new resource uid {0:?}, which is not a uuid")]
     BadUid(String),
+    #[error("register: the finalizer patch could not be built: {0}")]
+    Patch(String),
 }
 
 /// `kube::Error` with the step that failed.
@@ -149,7 +152,7 @@ fn name_prefix(project_id: &str) -> String {
 
 /// The resource an agent's registration is: finalizer included, so a delete always
 /// releases, and the project label when the project id can be one.
-fn new_resource(project_id: &str, session_id: &str, surface: AgentSurface) -> ControllerRegistration {
+fn new_resource(project_id: &str, session_id: &str, surface: AgentSurface, owner: &str) -> ControllerRegistration {
     let mut obj = ControllerRegistration::new(
         "",
         ControllerRegistrationSpec {
@@ -164,6 +167,15 @@ fn new_resource(project_id: &str, session_id: &str, surface: AgentSurface) -> Co
     if is_label_value(project_id) {
         obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), project_id.to_string())].into());
     }
+    // Who owns it, for `kubectl get -o yaml` readers, and that the API writes its row
+    // (the reconciler only reads it): see `crd::REGISTERED_BY_ANNOTATION`.
+    obj.metadata.annotations = Some(
+        [
+            (OWNER_ANNOTATION.to_string(), owner.to_string()),
+            (REGISTERED_BY_ANNOTATION.to_string(), REGISTERED_BY_API.to_string()),
+        ]
+        .into(),
+    );
     obj
 }
 
@@ -174,8 +186,14 @@ impl AgentService {
 
     /// Registers the session for the project on behalf of `caller` (the Kubernetes
     /// username), who then owns it: finds its live registration there, or creates the
-    /// resource and runs the election at once, so the answer is in this response. A
-    /// session owned by someone else is refused (`NotOwned`) and nothing changes.
+    /// resource and runs the election at once, so the answer is in this response.
+    ///
+    /// The API is the one writer of its registrations' rows (the reconciler of such a
+    /// resource only reads its row, `crd::REGISTERED_BY_ANNOTATION`). A call that is
+    /// refused (another identity's session, a full quota) makes nothing when it can tell
+    /// beforehand, and otherwise removes the resource it made: a refused register leaves
+    /// no resource and no row. Of concurrent identical calls one resource stands; the
+    /// others remove theirs and answer with it.
     pub async fn register(
         &self,
         namespace: &str,
@@ -190,10 +208,14 @@ impl AgentService {
                 self.heartbeats.beat(namespace, session_id);
                 return self.registered(existing.row).await;
             }
+        } else {
+            // A new live registration (a context switch is not): no resource for a call
+            // the quota refuses.
+            self.store.check_quota(namespace, Some(caller)).await?;
         }
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), namespace);
         let created = api
-            .create(&PostParams::default(), &new_resource(project_id, session_id, surface))
+            .create(&PostParams::default(), &new_resource(project_id, session_id, surface, caller))
             .await
             .step("register: create the ControllerRegistration")?;
         let new = NewRegistration {
@@ -203,41 +225,62 @@ impl AgentService {
             project_id: project_id.to_string(),
             session_id: session_id.to_string(),
             surface,
+            owner: Some(caller.to_string()),
+            through_api: true,
         };
         // Registering a resource is idempotent (by its uid): a killed backend or a short
         // restart is retried here rather than surfaced.
-        let outcome = retry_unavailable(DATABASE_RETRY, || self.store.register_owned(&new, Some(caller))).await;
-        let existing = match outcome {
+        let outcome = retry_unavailable(DATABASE_RETRY, || self.store.register(&new)).await;
+        let refusal = match outcome {
             Ok(RegisterOutcome::Registered(row)) => return self.registered(row).await,
-            // Another resource holds this session on this project (a concurrent call, or
-            // kubectl): that one stands, if it is the caller's.
-            Ok(RegisterOutcome::DuplicateSession { existing }) => Ok(existing),
-            Err(ElectionError::NotOwned(s)) => Err(AgentError::NotOwned(s)),
+            // Another resource holds this session on this project (a concurrent identical
+            // call): that one stands, and this one goes.
+            Ok(RegisterOutcome::DuplicateSession { existing }) => {
+                self.remove_unused(&new).await?;
+                self.heartbeats.beat(namespace, session_id);
+                return self.registered(existing).await;
+            }
+            Err(e @ (ElectionError::NotOwned(_) | ElectionError::QuotaExceeded(_))) => e,
             Err(e) => match self.store.get(new.id).await {
                 // Written after all (a commit whose answer was lost on the last try): the
                 // call did what it was asked. Deleting the resource now would have its
                 // finalizer release the session behind the caller's back.
                 Ok(Some(row)) if row.is_live() => return self.registered(row).await,
-                Ok(_) => Err(e.into()),
-                // Whether the row exists cannot be told: the resource stays, and the
-                // reconciler settles it once Postgres answers (registers it, or finds it
-                // released). The caller's retry of the same session is idempotent.
+                Ok(_) => e,
+                // Whether the row exists cannot be told: the resource stays. The
+                // reconciler never registers it (the API is its writer); if no row comes,
+                // it deletes it as an orphan. A retry of the same session is idempotent.
                 Err(_) => {
                     warn!(namespace, name = %new.name, session_id, error = %e,
-                          "register refused while Postgres is away; the reconciler settles its resource");
+                          "register refused while Postgres is away; the reconciler removes its resource if no row comes");
                     return Err(e.into());
                 }
             },
         };
-        // This resource is not used (no row of it was written): the call is refused as a
-        // whole, or another resource stands for the session.
-        let existing = existing?;
-        match self.store.get_owned(existing.id).await? {
-            Some(owned) => check_owner(&owned, caller)?,
-            None => return Err(ElectionError::NotFound(existing.id).into()),
+        self.remove_unused(&new).await?;
+        Err(match refusal {
+            ElectionError::NotOwned(s) => AgentError::NotOwned(s),
+            other => other.into(),
+        })
+    }
+
+    /// Removes a resource this call made and did not use (no row of it was written): its
+    /// finalizer would release nothing, so it is taken off first and the resource goes at
+    /// once, not whenever the leader's reconciler gets to it.
+    async fn remove_unused(&self, new: &NewRegistration) -> Result<(), AgentError> {
+        let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), &new.namespace);
+        let uid = new.id.to_string();
+        let patch = json!([
+            {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "replace", "path": "/metadata/finalizers", "value": Vec::<String>::new()},
+        ]);
+        let patch: json_patch::Patch = serde_json::from_value(patch).map_err(|e| AgentError::Patch(e.to_string()))?;
+        match api.patch(&new.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 422 || s.code == 409 => {}
+            Err(e) => return Err(AgentError::Kube { step: "register: drop the unused resource's finalizer", source: e }),
         }
-        self.heartbeats.beat(namespace, session_id);
-        self.registered(existing).await
+        self.delete_resource(&new.id, &new.namespace, &new.name, "register: delete the unused resource").await
     }
 
     async fn registered(&self, row: Registration) -> Result<Registered, AgentError> {
@@ -259,7 +302,7 @@ impl AgentService {
         let row = &row.row;
         // Releasing a row is idempotent: retried through a short Postgres outage.
         retry_unavailable(DATABASE_RETRY, || self.store.release(row.id, ReleaseReason::Wrapped)).await?;
-        self.delete_resource(row, "release: delete the ControllerRegistration").await?;
+        self.delete_resource(&row.id, &row.namespace, &row.name, "release: delete the ControllerRegistration").await?;
         Ok(self.routing(&row.namespace, &row.project_id, None).await?)
     }
 
@@ -267,13 +310,13 @@ impl AgentService {
     /// later resource that took the same name (a released registration's name is free
     /// again once its resource is gone) is never deleted in its place. Gone already, or
     /// replaced: nothing to delete.
-    async fn delete_resource(&self, row: &Registration, step: &'static str) -> Result<(), AgentError> {
-        let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), &row.namespace);
+    async fn delete_resource(&self, id: &Uuid, namespace: &str, name: &str, step: &'static str) -> Result<(), AgentError> {
+        let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), namespace);
         let params = DeleteParams {
-            preconditions: Some(Preconditions { uid: Some(row.id.to_string()), resource_version: None }),
+            preconditions: Some(Preconditions { uid: Some(id.to_string()), resource_version: None }),
             ..Default::default()
         };
-        match api.delete(&row.name, &params).await {
+        match api.delete(name, &params).await {
             Ok(_) => Ok(()),
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
             Err(e) => Err(AgentError::Kube { step, source: e }),

@@ -22,6 +22,18 @@ pub const PROJECT_LABEL: &str = "prism.ntecdev.ai/project";
 /// The finalizer that makes deleting a ControllerRegistration release it first.
 pub const REGISTRATION_FINALIZER: &str = "prism.ntecdev.ai/release";
 
+/// The Kubernetes identity (username) a ControllerRegistration belongs to (SPEC §12).
+/// The API sets it on the resources it creates for its callers; the chart's admission
+/// policy stamps the creator's username on those created with kubectl and refuses any
+/// other value or a change. Trusted only where that policy is in force
+/// (PRISM_TRUST_OWNER_ANNOTATION).
+pub const OWNER_ANNOTATION: &str = "prism.ntecdev.ai/owner";
+/// Set to `api` on the registrations the HTTP/MCP API creates: the API writes their rows
+/// (one writer per registration) and their reconciler only reads them, and deletes such
+/// a resource that never got a row (a call that died between the two steps).
+pub const REGISTERED_BY_ANNOTATION: &str = "prism.ntecdev.ai/registered-by";
+pub const REGISTERED_BY_API: &str = "api";
+
 /// Printable text (SPEC §3.1): no control character (C0, DEL, C1, what `char::is_control`
 /// says). Spelled so that Go's RE2 (the API server), Python's `re` and ECMAScript read it
 /// alike: `\xHH` is a code point in all three.

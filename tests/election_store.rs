@@ -22,6 +22,8 @@ fn reg(ns: &str, name: &str, project: &str, session: &str, surface: AgentSurface
         project_id: project.into(),
         session_id: session.into(),
         surface,
+        owner: None,
+        through_api: false,
     }
 }
 

@@ -344,11 +344,12 @@ async fn under_fault(hint: &str, fault: Fault) {
         let key = support::create_run_session(&api, &server, &server, None).await;
         runs.push((server.clone(), RunClient::new(&op.base, &server, "run", 1, key)));
         sqlx::query(
-            "INSERT INTO runtime_jobs (server_instance_id, component_kind, kind, payload)
-             SELECT $1, 'run', 'config', jsonb_build_object('n', n) FROM generate_series(1, $2) n",
+            "INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind, payload)
+             SELECT $3, $1, 'run', 'config', jsonb_build_object('n', n) FROM generate_series(1, $2) n",
         )
         .bind(&server)
         .bind(JOBS_PER_RUN)
+        .bind(&ns)
         .execute(&db.pool)
         .await
         .expect("enqueue jobs");

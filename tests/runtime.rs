@@ -492,18 +492,19 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     rotated.hello().await.expect("new key works");
     phase(&w.api, "srv-i-run", RunPhase::Online, 5).await;
 
-    // Deleting the resource revokes the identity; its queued jobs stay; the duplicate
-    // then takes the identity over.
+    // Deleting the resource revokes the identity and cancels the jobs it left (nobody of
+    // its namespace is left to run them; SPEC §5); the duplicate then takes the identity
+    // over, without those jobs.
     assert_eq!(w.enqueue(&token, "srv-i", "file").await.status(), 201);
     w.api.delete("srv-i-run", &DeleteParams::default()).await.expect("delete");
     eventually(10, "resource gone", || async { w.api.get_opt("srv-i-run").await.ok()?.is_none().then_some(()) }).await;
     assert_eq!(code(&rotated.heartbeat().await.expect_err("revoked")), "session_expired");
-    let queued: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE server_instance_id = 'srv-i' AND state = 'queued'")
-            .fetch_one(&w.db.pool)
+    let jobs: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT state, cancel_reason FROM runtime_jobs WHERE server_instance_id = 'srv-i'")
+            .fetch_all(&w.db.pool)
             .await
-            .expect("count");
-    assert_eq!(queued, 1);
+            .expect("jobs");
+    assert_eq!(jobs, [("cancelled".to_string(), Some("identity_deleted".to_string()))]);
     let taken = eventually(40, "duplicate takes over", || async {
         let r = w.api.get_opt("srv-i-dup").await.ok().flatten()?;
         r.status.as_ref()?.conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True").then_some(r)
@@ -515,12 +516,15 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     assert_eq!(st.observed_generation, taken.metadata.generation);
     let online = st.conditions.iter().find(|c| c.type_ == "Online").expect("Online condition");
     assert_eq!((online.status.as_str(), online.reason.as_str()), ("False", "NeverConnected"), "{online:?}");
-    // Its key is the identity's key now: its Run says hello and gets the queued job.
+    // Its key is the identity's key now: its Run says hello; the cancelled job is not
+    // handed out, a new one is.
     let mut dup_run = RunClient::new(&w.op.base, "srv-i", "run", 1, dup_key);
     dup_run.hello().await.expect("the duplicate's key is accepted");
     phase(&w.api, "srv-i-dup", RunPhase::Online, 5).await;
+    assert!(dup_run.claim(5).await.expect("claim").is_empty(), "the deleted identity's jobs stay cancelled");
+    assert_eq!(w.enqueue(&token, "srv-i", "log").await.status(), 201);
     let jobs = dup_run.claim(5).await.expect("claim");
-    assert_eq!(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>(), ["file"]);
+    assert_eq!(jobs.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>(), ["log"]);
 }
 
 /// Every live Run's reconcile mirrors its identity, once a lease: an unchanged one must
@@ -528,10 +532,10 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
 /// counted ~400 a second at 10,000 Runs). A changed one is written, and a rotation told.
 #[tokio::test]
 async fn mirroring_an_unchanged_identity_locks_nothing() {
-    use prism_operator::run_registry::identity::{Identity, IdentityStore, Mirror};
+    use prism_operator::run_registry::identity::{IdentitySpec, IdentityStore, Mirror};
     let db = TestDb::new().await;
     let store = IdentityStore::new(db.pool.clone());
-    let mut identity = Identity {
+    let mut identity = IdentitySpec {
         id: uuid::Uuid::new_v4(),
         namespace: "ns".into(),
         name: "r".into(),
@@ -549,14 +553,19 @@ async fn mirroring_an_unchanged_identity_locks_nothing() {
             .expect("row");
         x
     };
-    assert!(matches!(store.mirror(&identity).await.expect("insert"), Mirror::Owned { rotated: false }));
+    let Mirror::Owned { rotated: false, epoch: first } = store.mirror(&identity).await.expect("insert") else {
+        panic!("a new identity is owned, not rotated");
+    };
     assert_eq!(xmax().await, "0");
     for _ in 0..3 {
-        assert!(matches!(store.mirror(&identity).await.expect("mirror"), Mirror::Owned { rotated: false }));
+        assert_eq!(store.mirror(&identity).await.expect("mirror"), Mirror::Owned { rotated: false, epoch: first });
     }
     assert_eq!(xmax().await, "0", "an unchanged identity was locked (or written)");
     identity.key_generation = 2;
-    assert!(matches!(store.mirror(&identity).await.expect("rotate"), Mirror::Owned { rotated: true }));
+    let Mirror::Owned { rotated: true, epoch: second } = store.mirror(&identity).await.expect("rotate") else {
+        panic!("a new generation is a rotation");
+    };
+    assert!(second > first, "a rotation is a new epoch: {first} -> {second}");
     let generation: i64 = sqlx::query_scalar("SELECT key_generation FROM run_identities WHERE id = $1")
         .bind(identity.id)
         .fetch_one(&db.pool)

@@ -143,13 +143,13 @@ async fn release_reasons_and_job_states_are_checked() {
     assert_eq!(violated_constraint(e), "controller_registrations_release_reason_check");
 
     let e = sqlx::query(
-        "INSERT INTO runtime_jobs (server_instance_id, component_kind, kind) VALUES ('srv', 'run', 'reboot')",
+        "INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind) VALUES ('ns', 'srv', 'run', 'reboot')",
     )
     .execute(&db.pool)
     .await
     .expect_err("unknown job kind rejected");
     assert_eq!(violated_constraint(e), "runtime_jobs_kind_check");
-    let state: String = sqlx::query_scalar("INSERT INTO runtime_jobs (server_instance_id, component_kind, kind) VALUES ('srv', 'run', 'config') RETURNING state")
+    let state: String = sqlx::query_scalar("INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind) VALUES ('ns', 'srv', 'run', 'config') RETURNING state")
         .fetch_one(&db.pool)
         .await
         .expect("job");

@@ -12,8 +12,8 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::docs::{
-    BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, Unauthenticated, Unavailable,
-    UnsupportedMediaType,
+    BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, TooManyRequests, Unauthenticated,
+    Unavailable, UnsupportedMediaType,
 };
 use super::error::{ApiError, ApiJson, ApiPath, ApiQuery, ClientAddr};
 use crate::agent_sessions::{AgentError, HeartbeatReply, Registered, RouteEntry, RoutingTable};
@@ -87,6 +87,7 @@ impl RegisterBody {
         (status = 413, response = TooLarge),
         (status = 415, response = UnsupportedMediaType),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -134,6 +135,7 @@ pub struct ReleaseQuery {
         (status = 403, response = Forbidden),
         (status = 404, response = NotFound),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -219,6 +221,7 @@ impl HeartbeatBody {
         (status = 413, response = TooLarge),
         (status = 415, response = UnsupportedMediaType),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -278,6 +281,7 @@ impl StatusQuery {
         (status = 401, response = Unauthenticated),
         (status = 403, response = Forbidden),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -353,6 +357,7 @@ pub struct FenceReply {
         (status = 413, response = TooLarge),
         (status = 415, response = UnsupportedMediaType),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )

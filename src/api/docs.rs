@@ -35,6 +35,7 @@ use super::error::{ApiError, ErrorBody};
             TooLarge,
             UnsupportedMediaType,
             Invalid,
+            TooManyRequests,
             Internal,
             Unavailable
         )
@@ -127,6 +128,14 @@ pub struct UnsupportedMediaType(ErrorBody);
 #[derive(ToResponse)]
 #[allow(dead_code)]
 pub struct Invalid(ErrorBody);
+
+/// `rate_limited`: too many requests that cost the operator a TokenReview or a hello
+/// from this address (or hellos for this Run identity); `quota_exceeded`: the caller, or
+/// the namespace, holds as many live registrations as its quota allows. `Retry-After`
+/// says when to try again (rate limits).
+#[derive(ToResponse)]
+#[allow(dead_code)]
+pub struct TooManyRequests(ErrorBody);
 
 /// `internal`: a bug; the cause is in the operator's log
 #[derive(ToResponse)]

@@ -113,6 +113,7 @@ impl From<ElectionError> for ApiError {
         match e {
             ElectionError::NotFound(id) => ApiError::not_found("not_found", format!("registration {id} not found")),
             ElectionError::NotOwned(s) => ApiError::not_owned(&s),
+            ElectionError::QuotaExceeded(quota) => ApiError::quota_exceeded(format!("quota exceeded: {quota}")),
             ElectionError::Contended(_) => ApiError::unavailable("contended", e.to_string()),
             ElectionError::Database(e) => e.into(),
         }
@@ -136,7 +137,7 @@ impl From<AgentError> for ApiError {
                 ApiError::not_found("not_registered", format!("session {s} has no live registration"))
             }
             AgentError::NotOwned(s) => ApiError::not_owned(&s),
-            AgentError::BadUid(_) => ApiError::internal("register", e),
+            AgentError::BadUid(_) | AgentError::Patch(_) => ApiError::internal("register", e),
         }
     }
 }

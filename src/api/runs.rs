@@ -11,17 +11,18 @@ use chrono::Utc;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::AppState;
 use super::auth::bearer;
 use super::docs::JsonbValue;
 use super::docs::{
-    BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, Unauthenticated, Unavailable,
-    UnsupportedMediaType,
+    BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, TooManyRequests, Unauthenticated,
+    Unavailable, UnsupportedMediaType,
 };
-use super::error::{ApiBody, ApiError, ApiJson, ApiPath, ClientAddr};
+use super::agents::check_namespace;
+use super::error::{ApiBody, ApiError, ApiJson, ApiPath, ApiQuery, ClientAddr};
 use kube::Api;
 
 use crate::crd::RunSession;
@@ -30,8 +31,8 @@ use crate::run_registry::identity::Identity;
 use crate::run_registry::jobs::{Job, JobKind, Step, StepRefused};
 use crate::run_registry::projection::{Lease, SessionView, project};
 use crate::run_registry::service::{
-    Granted, Hello, HelloError, SessionRefused, capabilities_schema, capacity_schema, check_address, check_jsonb,
-    check_snapshot, server_instance_id_ok,
+    Granted, Hello, HelloError, SessionRefused, StepError, capabilities_schema, capacity_schema, check_address,
+    check_jsonb, check_snapshot, server_instance_id_ok,
 };
 use crate::run_registry::sessions::Renewal;
 use crate::run_registry::{RunAddress, Session};
@@ -68,7 +69,9 @@ async fn authenticated(state: &AppState, headers: &HeaderMap) -> Result<(RunAddr
 fn session_refused(r: SessionRefused) -> ApiError {
     let message = match r {
         SessionRefused::InvalidToken => "not a session token",
-        SessionRefused::Superseded => "a newer hello replaced this session; say hello again",
+        SessionRefused::Superseded => {
+            "a newer hello replaced this session, or its key was rotated or its RunSession deleted; say hello again"
+        }
         SessionRefused::Expired => "the session lease expired; say hello again",
     };
     ApiError::unauthenticated(r.code(), message)
@@ -91,6 +94,7 @@ fn session_refused(r: SessionRefused) -> ApiError {
         (status = 413, response = TooLarge),
         (status = 415, response = UnsupportedMediaType),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -106,7 +110,7 @@ pub async fn hello(
         Ok((identity, granted)) => {
             // The session is granted whatever happens next; a lost signal only delays
             // `Online` in status until the reconciler's own requeue.
-            let resource = NamespacedName::new(identity.namespace.as_str(), identity.name.as_str());
+            let resource = NamespacedName::new(identity.spec.namespace.as_str(), identity.spec.name.as_str());
             if let Err(error) = refresh::announce_now(&state.db, refresh::Kind::RunSession, [&resource]).await {
                 tracing::warn!(namespace = %resource.namespace, name = %resource.name, %error,
                                "hello granted, but its RunSession's status refresh could not be announced");
@@ -186,6 +190,11 @@ pub async fn heartbeat(
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EnqueueBody {
+    /// The namespace of the RunSession the job is for (its owner). Absent: the namespace
+    /// of the RunSession that holds the address now.
+    #[serde(default)]
+    #[schema(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", example = "runtime")]
+    namespace: Option<String>,
     #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$", example = "srv-eu1-7")]
     server_instance_id: String,
     #[schema(min_length = 1, max_length = 63, pattern = "^[a-z0-9-]+$", example = "run")]
@@ -199,6 +208,9 @@ pub struct EnqueueBody {
 
 impl EnqueueBody {
     pub fn check(&self) -> Result<(), ApiError> {
+        if let Some(ns) = &self.namespace {
+            check_namespace(ns)?;
+        }
         check_address(&self.server_instance_id, &self.component_kind).map_err(|e| ApiError::invalid(e.0))?;
         check_jsonb("payload", &self.payload).map_err(|e| ApiError::invalid(e.0))
     }
@@ -206,7 +218,10 @@ impl EnqueueBody {
 
 /// Enqueue a job for a Run
 ///
-/// The caller must be allowed to `update` the RunSession of that server/component.
+/// The caller must be allowed to `update` the RunSession of that server/component. The
+/// job belongs to that RunSession's namespace. A caller without that right gets the same
+/// 403 whether or not such a RunSession exists (a 404 only when `namespace` is given and
+/// the caller may update RunSessions there).
 #[utoipa::path(
     post,
     path = "/api/v1/runtime/jobs",
@@ -222,6 +237,7 @@ impl EnqueueBody {
         (status = 413, response = TooLarge),
         (status = 415, response = UnsupportedMediaType),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -235,15 +251,33 @@ pub async fn enqueue(
     body.check()?;
     let caller = state.auth.authenticate(&headers, peer).await?;
     let address = RunAddress { server_instance_id: body.server_instance_id, component_kind: body.component_kind };
-    let Some(identity) = state.registry.identities.live(&address).await? else {
-        return Err(ApiError::not_found(
-            "unknown_identity",
-            "no RunSession has this server_instance_id/component_kind",
-        ));
+    // One refusal for "no such RunSession", "not yours" and "another tenant's": it names
+    // only what the caller said.
+    let refused = || {
+        ApiError::forbidden(format!(
+            "{} may not enqueue jobs for {address}{} (or no RunSession there has this address)",
+            caller.username,
+            body.namespace.as_deref().map(|ns| format!(" in namespace {ns}")).unwrap_or_default()
+        ))
     };
-    state.auth.authorize_named(&caller, "update", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
+    let identity = match &body.namespace {
+        Some(ns) => state.registry.identities.live_in(ns, &address).await?,
+        None => state.registry.identities.live(&address).await?,
+    };
+    let Some(identity) = identity else {
+        if let Some(ns) = &body.namespace
+            && state.auth.allowed(&caller, "update", RESOURCE, ns, None).await?
+        {
+            return Err(ApiError::not_found("unknown_identity", format!("no RunSession of {ns} has this address")));
+        }
+        return Err(refused());
+    };
+    let (namespace, name) = (&identity.spec.namespace, &identity.spec.name);
+    if !state.auth.allowed(&caller, "update", RESOURCE, namespace, Some(name)).await? {
+        return Err(refused());
+    }
     let payload = if body.payload.is_null() { json!({}) } else { body.payload };
-    let job = state.registry.jobs.enqueue(&address, body.kind, &payload).await?;
+    let job = state.registry.jobs.enqueue(namespace, &address, body.kind, &payload).await?;
     Ok((StatusCode::CREATED, Json(job)))
 }
 
@@ -299,7 +333,7 @@ pub async fn claim(
     // No session (Redis down included) means no job is assigned.
     let started = std::time::Instant::now();
     let (address, session) = authenticated(&state, &headers).await?;
-    let jobs = state.registry.claim(&address, &session, max).await?;
+    let jobs = state.registry.claim(&address, &session, max).await?.map_err(session_refused)?;
     state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
     Ok(Json(Claimed { jobs }))
 }
@@ -454,16 +488,21 @@ async fn job_step(
     step: Step,
     value: Option<Value>,
 ) -> Result<Json<Job>, ApiError> {
-    let (address, _) = authenticated(state, headers).await?;
-    match state.registry.step(&address, id, step, value.as_ref()).await? {
+    let (address, session) = authenticated(state, headers).await?;
+    match state.registry.step(&address, &session, id, step, value.as_ref()).await? {
         Ok(job) => Ok(Json(job)),
-        Err(StepRefused::NotFound) => Err(ApiError::not_found("job_not_found", format!("job {id} not found"))),
-        Err(StepRefused::CrossTarget) => Err(ApiError::new(
+        Err(StepError::Session(refused)) => Err(session_refused(refused)),
+        Err(StepError::Job(StepRefused::NotFound)) => {
+            Err(ApiError::not_found("job_not_found", format!("job {id} not found")))
+        }
+        Err(StepError::Job(StepRefused::CrossTarget)) => Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "cross_target",
             "this job is addressed to another server/component",
         )),
-        Err(StepRefused::WrongState(s)) => Err(ApiError::conflict("invalid_state", format!("job is {s}"))),
+        Err(StepError::Job(StepRefused::WrongState(s))) => {
+            Err(ApiError::conflict("invalid_state", format!("job is {s}")))
+        }
     }
 }
 
@@ -483,25 +522,37 @@ pub struct ServerStatus {
     components: Vec<ComponentStatus>,
 }
 
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ServerStatusQuery {
+    /// Only the components of this namespace; then an unknown server is a 404 for a
+    /// caller who may get RunSessions there (otherwise the same 403 as a refusal).
+    #[param(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+    namespace: Option<String>,
+}
+
 /// The safe projection of every component of a server
 ///
-/// The caller must be allowed to `get` each of those RunSessions.
+/// The components whose RunSession the caller may `get`; the others (another tenant's
+/// among them) are left out, never named. None: 403, whether the server has components
+/// or not.
 #[utoipa::path(
     get,
     path = "/api/v1/runtime/servers/{server_instance_id}/status",
     tag = "runtime",
-    params((
-        "server_instance_id" = String, Path,
-        min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$"
-    )),
+    params(
+        ("server_instance_id" = String, Path, min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$"),
+        ServerStatusQuery,
+    ),
     security(("kubernetes" = [])),
     responses(
-        (status = 200, description = "Every component of the server", body = ServerStatus),
+        (status = 200, description = "The components of the server the caller may see", body = ServerStatus),
         (status = 400, response = BadRequest),
         (status = 401, response = Unauthenticated),
         (status = 403, response = Forbidden),
         (status = 404, response = NotFound),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -511,20 +562,37 @@ pub async fn server_status(
     ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiPath(server_instance_id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ServerStatusQuery>,
 ) -> Result<Json<ServerStatus>, ApiError> {
     // No RunSession can have another shape: saying so is no existence check.
     if !server_instance_id_ok(&server_instance_id) {
         return Err(ApiError::invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]"));
     }
-    let caller = state.auth.authenticate(&headers, peer).await?;
-    let identities = state.registry.identities.of_server(&server_instance_id).await?;
-    if identities.is_empty() {
-        return Err(ApiError::not_found("unknown_server", format!("no RunSession for server {server_instance_id}")));
+    if let Some(ns) = &q.namespace {
+        check_namespace(ns)?;
     }
+    let caller = state.auth.authenticate(&headers, peer).await?;
+    let identities = state.registry.identities.of_server(&server_instance_id, q.namespace.as_deref()).await?;
     let mut components = Vec::new();
     for identity in &identities {
-        state.auth.authorize_named(&caller, "get", RESOURCE, &identity.namespace, Some(&identity.name)).await?;
-        components.push(component_status(&state, identity).await?);
+        let (namespace, name) = (&identity.spec.namespace, &identity.spec.name);
+        if state.auth.allowed(&caller, "get", RESOURCE, namespace, Some(name)).await? {
+            components.push(component_status(&state, identity).await?);
+        }
+    }
+    if components.is_empty() {
+        if let Some(ns) = &q.namespace
+            && state.auth.allowed(&caller, "get", RESOURCE, ns, None).await?
+        {
+            return Err(ApiError::not_found(
+                "unknown_server",
+                format!("no RunSession of {ns} is for server {server_instance_id}"),
+            ));
+        }
+        return Err(ApiError::forbidden(format!(
+            "{} may get no RunSession of server {server_instance_id} (or it has none)",
+            caller.username
+        )));
     }
     Ok(Json(ServerStatus { server_instance_id, components }))
 }
@@ -532,11 +600,12 @@ pub async fn server_status(
 /// A component as its RunSession's status would show it now: live facts from the Redis
 /// lease when there is one, else the last facts the status showed.
 async fn component_status(state: &AppState, identity: &Identity) -> Result<ComponentStatus, ApiError> {
-    let shown = Api::<RunSession>::namespaced(state.kube.clone(), &identity.namespace)
-        .get_opt(&identity.name)
+    let (namespace, name) = (&identity.spec.namespace, &identity.spec.name);
+    let shown = Api::<RunSession>::namespaced(state.kube.clone(), namespace)
+        .get_opt(name)
         .await
         .map_err(|e| {
-            tracing::warn!(namespace = %identity.namespace, name = %identity.name, error = %e,
+            tracing::warn!(%namespace, %name, error = %e,
                            "server status: reading the RunSession failed");
             ApiError::unavailable("kubernetes_unavailable", format!("server status: read RunSession: {e}"))
         })?
@@ -544,8 +613,8 @@ async fn component_status(state: &AppState, identity: &Identity) -> Result<Compo
         .map(|status| SessionView::shown_in(&status))
         .unwrap_or_default();
     let live = match state.registry.sessions.session(&identity.address()).await {
-        // A session opened with an older key does not count.
-        Ok(session) => session.filter(|s| s.generation == identity.key_generation),
+        // A session of an older epoch (an older key, an earlier identity) does not count.
+        Ok(session) => session.filter(|s| s.epoch == identity.epoch),
         Err(e) if e.registry_unavailable() => {
             return Ok(component(identity, project(Lease::RegistryDown, &shown)));
         }
@@ -560,9 +629,9 @@ async fn component_status(state: &AppState, identity: &Identity) -> Result<Compo
 
 fn component(identity: &Identity, session: SessionView) -> ComponentStatus {
     ComponentStatus {
-        component_kind: identity.component_kind.clone(),
-        namespace: identity.namespace.clone(),
-        name: identity.name.clone(),
+        component_kind: identity.spec.component_kind.clone(),
+        namespace: identity.spec.namespace.clone(),
+        name: identity.spec.name.clone(),
         session,
     }
 }

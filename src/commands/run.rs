@@ -31,7 +31,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .await
         .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")?;
     let metrics = Arc::new(Metrics::default());
-    let election = ElectionStore::new(pool.clone());
+    let election = ElectionStore::with_quotas(
+        pool.clone(),
+        crate::election::Quotas {
+            per_owner: args.max_sessions_per_identity,
+            per_namespace: args.max_sessions_per_namespace,
+        },
+    );
     let registry = RunRegistry {
         sessions,
         identities: IdentityStore::new(pool.clone()),
@@ -124,6 +130,8 @@ fn start_leader_work(
         written_registrations: Written::new(status_heartbeat),
         written_runsessions: Written::new(status_heartbeat),
         failures: Default::default(),
+        trust_owner_annotation: args.trust_owner_annotation,
+        fences_owed: moka::sync::Cache::new(100_000),
     });
     let namespace = args.watch_namespace.clone();
     let stale = args.peer_stale_minutes;

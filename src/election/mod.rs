@@ -7,7 +7,8 @@ pub mod store;
 
 pub use rules::{Candidate, Cause, Decision, Event, ProjectState, Transition, decide};
 pub use store::{
-    ElectionStore, LiveRole, NewRegistration, OwnedRegistration, ProjectView, RegisterOutcome, Registration,
+    ElectionStore, LiveRole, NewRegistration, OwnedRegistration, ProjectView, Quota, Quotas, RegisterOutcome,
+    Registration,
 };
 
 use crate::db::QueryError;
@@ -22,6 +23,9 @@ pub enum ElectionError {
     /// SPEC §6: the session belongs to another Kubernetes identity.
     #[error("session {0} belongs to another identity")]
     NotOwned(String),
+    /// SPEC §12: a quota of live registrations is full; nothing was written.
+    #[error("quota exceeded: {0}")]
+    QuotaExceeded(store::Quota),
     #[error("{0}: the election did not settle after {attempts} attempts (concurrent changes)", attempts = store::MAX_ATTEMPTS)]
     Contended(&'static str),
 }

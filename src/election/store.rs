@@ -40,6 +40,49 @@ pub struct NewRegistration {
     pub project_id: String,
     pub session_id: String,
     pub surface: AgentSurface,
+    /// The Kubernetes identity the session belongs to (SPEC §6, §12): the API's caller,
+    /// or a kubectl registration's creator as the admission policy stamped it. None: no
+    /// owner is known, and the registration never displaces a session that has one.
+    pub owner: Option<String>,
+    /// The API writes this row and the resource's reconciler only reads it, so the
+    /// resource's own status is refreshed at commit (its creation may have been
+    /// reconciled before the row existed).
+    pub through_api: bool,
+}
+
+/// Bounds on live registrations (SPEC §12), checked by every registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quotas {
+    /// Live registrations one owner may hold (exact: counted under the owner's lock).
+    pub per_owner: u32,
+    /// Live registrations per namespace (approximate: counted at most a few seconds
+    /// ago, so a burst may overshoot by what registers meanwhile; exact would serialise
+    /// every registration of a namespace on one lock).
+    pub per_namespace: u32,
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Quotas { per_owner: 100, per_namespace: 10_000 }
+    }
+}
+
+/// Which quota a registration would exceed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quota {
+    Owner(u32),
+    Namespace(u32),
+}
+
+impl std::fmt::Display for Quota {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Quota::Owner(n) => write!(f, "the identity holds {n} live registrations, its quota (PRISM_MAX_SESSIONS_PER_IDENTITY)"),
+            Quota::Namespace(n) => {
+                write!(f, "the namespace holds {n} live registrations, its quota (PRISM_MAX_SESSIONS_PER_NAMESPACE)")
+            }
+        }
+    }
 }
 
 /// One row of `controller_registrations`.
@@ -112,6 +155,17 @@ impl OwnedRegistration {
     pub fn owned_by(&self, caller: &str) -> bool {
         self.owner.as_deref().is_none_or(|owner| owner == caller)
     }
+
+    /// May a registration of `owner` (None: no owner known) move or stand in for this
+    /// session? An owned session only by its owner (SPEC §12: an unowned registration
+    /// never displaces a session that has one).
+    pub fn yields_to(&self, owner: Option<&str>) -> bool {
+        match (self.owner.as_deref(), owner) {
+            (None, _) => true,
+            (Some(mine), Some(theirs)) => mine == theirs,
+            (Some(_), None) => false,
+        }
+    }
 }
 
 /// A project's routing view.
@@ -140,11 +194,22 @@ enum Attempt {
 #[derive(Clone)]
 pub struct ElectionStore {
     pool: PgPool,
+    quotas: Quotas,
+    /// Live registrations per namespace, as counted lately (see `Quotas::per_namespace`).
+    namespace_counts: moka::sync::Cache<String, i64>,
 }
+
+/// How long a namespace's count of live registrations is used before it is counted again.
+const NAMESPACE_COUNT_TTL: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl ElectionStore {
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self::with_quotas(pool, Quotas::default())
+    }
+
+    pub fn with_quotas(pool: PgPool, quotas: Quotas) -> Self {
+        let namespace_counts = moka::sync::Cache::builder().max_capacity(10_000).time_to_live(NAMESPACE_COUNT_TTL).build();
+        Self { pool, quotas, namespace_counts }
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -279,31 +344,18 @@ impl ElectionStore {
     /// Registers (SPEC §4 rules 1-4 and 6) and, when the session is live on another
     /// project, first leaves that one (rule 7). Idempotent: a known id returns its row as
     /// it stands. Callers that usually find the row already (a periodic reconcile) should
-    /// `get` it first, which takes no lock. The registration has no owner (a resource
-    /// created with kubectl); see `register_owned`.
+    /// `get` it first, which takes no lock. A session owned by someone else than
+    /// `new.owner` is neither moved nor stood in for (`NotOwned`); a full quota is
+    /// `QuotaExceeded`. Nothing is written in either case.
     pub async fn register(&self, new: &NewRegistration) -> Result<RegisterOutcome, ElectionError> {
-        self.register_owned(new, None).await
-    }
-
-    /// `register` on behalf of `owner`, the Kubernetes identity calling the API, which
-    /// then owns the session (SPEC §6). A session live on another project and owned by
-    /// someone else is not moved (`NotOwned`).
-    pub async fn register_owned(
-        &self,
-        new: &NewRegistration,
-        owner: Option<&str>,
-    ) -> Result<RegisterOutcome, ElectionError> {
         // The session's live registration on another project, once found: the next
         // attempt leaves it and elects the newcomer in one transaction.
         let mut leaving: Option<Registration> = None;
         for attempt in 1..=MAX_ATTEMPTS {
-            match self.elect_newcomer(new, owner, leaving.as_ref()).await {
+            match self.elect_newcomer(new, leaving.as_ref()).await {
                 Ok(Attempt::Done(row)) => return Ok(RegisterOutcome::Registered(*row)),
-                // Inserted before (or by a concurrent caller: API and reconciler race).
+                // Inserted before: an earlier attempt whose answer was lost, or a retry.
                 Ok(Attempt::IdKnown) => {
-                    if let Some(owner) = owner {
-                        self.claim(new.id, owner).await?;
-                    }
                     if let Some(existing) = self.get(new.id).await? {
                         return Ok(RegisterOutcome::Registered(existing));
                     }
@@ -316,21 +368,14 @@ impl ElectionStore {
                     // duplicate: the API would delete this resource, whose finalizer then
                     // releases the registration it had just answered 200 for (the fault
                     // harness: a session wrapped 3 s after its acknowledged switch).
-                    Some(own) if own.row.id == new.id => {
-                        if let Some(owner) = owner {
-                            self.claim(new.id, owner).await?;
-                        }
-                        return Ok(RegisterOutcome::Registered(own.row));
+                    Some(own) if own.row.id == new.id => return Ok(RegisterOutcome::Registered(own.row)),
+                    // Another identity's session: not this registration's to move or join.
+                    Some(other) if !other.yields_to(new.owner.as_deref()) => {
+                        return Err(ElectionError::NotOwned(new.session_id.clone()));
                     }
                     // Rule 6 under another resource: that one stands.
                     Some(existing) if existing.row.project_id == new.project_id => {
                         return Ok(RegisterOutcome::DuplicateSession { existing: existing.row });
-                    }
-                    // Over the API, rule 7 is the owner's to trigger, nobody else's. A
-                    // resource created with kubectl (no owner) is governed by RBAC alone:
-                    // whoever may create it may as well delete the session's resource.
-                    Some(other) if owner.is_some_and(|caller| !other.owned_by(caller)) => {
-                        return Err(ElectionError::NotOwned(new.session_id.clone()));
                     }
                     // Rule 7: the session is live on another project; leave it, then elect.
                     Some(other) => leaving = Some(other.row),
@@ -344,15 +389,47 @@ impl ElectionStore {
         Err(ElectionError::Contended("register"))
     }
 
-    /// The API created this registration's resource, so its caller owns it, even when the
-    /// reconciler (which knows no caller) inserted the row first.
-    async fn claim(&self, id: Uuid, owner: &str) -> Result<(), ElectionError> {
-        sqlx::query("UPDATE controller_registrations SET owner = $2 WHERE id = $1 AND owner IS NULL")
-            .bind(id)
-            .bind(owner)
-            .execute(&self.pool)
-            .await
-            .step("register: record the owner of a row the reconciler inserted")?;
+    /// Live registrations the owner holds now.
+    pub async fn owned_live(&self, owner: &str) -> Result<i64, ElectionError> {
+        Ok(sqlx::query_scalar(
+            "SELECT count(*) FROM controller_registrations WHERE owner = $1 AND released_at IS NULL",
+        )
+        .bind(owner)
+        .fetch_one(&self.pool)
+        .await
+        .step("quota: count the owner's live registrations")?)
+    }
+
+    /// Would one more registration of `owner` in `namespace` exceed a quota? (The cheap
+    /// check before any resource is made; `register` checks again, exactly for owners.)
+    pub async fn check_quota(&self, namespace: &str, owner: Option<&str>) -> Result<(), ElectionError> {
+        if let Some(owner) = owner {
+            let held = self.owned_live(owner).await?;
+            if held >= i64::from(self.quotas.per_owner) {
+                return Err(ElectionError::QuotaExceeded(Quota::Owner(self.quotas.per_owner)));
+            }
+        }
+        self.check_namespace_quota(namespace).await
+    }
+
+    async fn check_namespace_quota(&self, namespace: &str) -> Result<(), ElectionError> {
+        let held = match self.namespace_counts.get(namespace) {
+            Some(n) => n,
+            None => {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND released_at IS NULL",
+                )
+                .bind(namespace)
+                .fetch_one(&self.pool)
+                .await
+                .step("quota: count the namespace's live registrations")?;
+                self.namespace_counts.insert(namespace.to_string(), n);
+                n
+            }
+        };
+        if held >= i64::from(self.quotas.per_namespace) {
+            return Err(ElectionError::QuotaExceeded(Quota::Namespace(self.quotas.per_namespace)));
+        }
         Ok(())
     }
 
@@ -365,9 +442,13 @@ impl ElectionStore {
     async fn elect_newcomer(
         &self,
         new: &NewRegistration,
-        owner: Option<&str>,
         leaving: Option<&Registration>,
     ) -> Result<Attempt, ElectionError> {
+        if leaving.is_none() {
+            // A context switch does not add a live registration; a new one may not exceed
+            // the namespace's quota.
+            self.check_namespace_quota(&new.namespace).await?;
+        }
         let mut tx = self.pool.begin().await.step("register: begin")?;
         match leaving {
             None => lock_project(&mut tx, &new.namespace, &new.project_id).await?,
@@ -392,25 +473,22 @@ impl ElectionStore {
                 write_wrap_nudge(&mut tx, from).await?;
             }
         }
+        if let Some(owner) = &new.owner {
+            check_owner_quota(&mut tx, owner, self.quotas.per_owner).await?;
+        }
         let plan = plan_registration(&mut tx, new).await?;
-        match insert_registration(&mut tx, new, owner, plan.now).await {
+        match insert_registration(&mut tx, new, plan.now).await {
             Ok(()) => {}
             Err(e) if e.constraint() == Some(ID_INDEX) => return Ok(Attempt::IdKnown),
             Err(e) if e.constraint() == Some(SESSION_INDEX) => return Ok(Attempt::SessionLive),
             Err(e) => return Err(e.into()),
         }
-        // The newcomer's own status follows from its own reconcile (its creation is a
-        // watch event), so only the others are announced.
-        write_decision(
-            &mut tx,
-            &new.namespace,
-            &new.project_id,
-            &plan.before,
-            &plan.decision,
-            &plan.names,
-            Some(new.id),
-        )
-        .await?;
+        // A kubectl registration's own status follows from the reconcile that is writing
+        // this row; one the API writes is announced with the others (its creation may
+        // have been reconciled before the row existed).
+        let announced = (!new.through_api).then_some(new.id);
+        write_decision(&mut tx, &new.namespace, &new.project_id, &plan.before, &plan.decision, &plan.names, announced)
+            .await?;
         tx.commit().await.step("register: commit")?;
         Ok(Attempt::Done(Box::new(plan.newcomer_row(new))))
     }
@@ -561,6 +639,27 @@ async fn lock_project(tx: &mut Transaction<'_, Postgres>, namespace: &str, proje
         .execute(&mut **tx)
         .await
         .step("lock the project")?;
+    Ok(())
+}
+
+/// The exact per-owner quota: the owner's registrations are counted under a lock of the
+/// owner's (taken after the project locks, always in that order), so two concurrent
+/// registrations of one owner cannot both take its last slot.
+async fn check_owner_quota(tx: &mut Transaction<'_, Postgres>, owner: &str, max: u32) -> Result<(), ElectionError> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('owner/' || $1, 0))")
+        .bind(owner)
+        .execute(&mut **tx)
+        .await
+        .step("quota: lock the owner")?;
+    let held: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE owner = $1 AND released_at IS NULL")
+            .bind(owner)
+            .fetch_one(&mut **tx)
+            .await
+            .step("quota: count the owner's live registrations")?;
+    if held >= i64::from(max) {
+        return Err(ElectionError::QuotaExceeded(Quota::Owner(max)));
+    }
     Ok(())
 }
 
@@ -755,7 +854,6 @@ async fn plan_registration(
 async fn insert_registration(
     tx: &mut Transaction<'_, Postgres>,
     new: &NewRegistration,
-    owner: Option<&str>,
     now: DateTime<Utc>,
 ) -> Result<(), QueryError> {
     sqlx::query(
@@ -770,7 +868,7 @@ async fn insert_registration(
     .bind(&new.session_id)
     .bind(new.surface)
     .bind(now)
-    .bind(owner)
+    .bind(new.owner.as_deref())
     .execute(&mut **tx)
     .await
     .step("register: insert registration")?;

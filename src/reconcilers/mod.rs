@@ -70,6 +70,12 @@ pub struct Context {
     pub written_runsessions: Written<crate::crd::RunSessionStatus>,
     /// Consecutive reconcile failures per object, for `error_policy`'s backoff.
     pub failures: Failures,
+    /// PRISM_TRUST_OWNER_ANNOTATION: kubectl registrations' owner annotation is stamped
+    /// and guarded by an admission policy.
+    pub trust_owner_annotation: bool,
+    /// RunSessions whose key was rotated and whose Redis fence has not been written yet:
+    /// while Redis fails they are retried every second, not every five.
+    pub fences_owed: moka::sync::Cache<uuid::Uuid, ()>,
 }
 
 /// What a kind brings to the shared reconcile skeleton.

@@ -20,10 +20,10 @@ use uuid::Uuid;
 use super::status::{ObservedStatus, StatusEvent, publish, write_status};
 use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{
-    ControllerRegistration, ControllerRegistrationStatus, PROJECT_LABEL, REGISTRATION_FINALIZER, RegistrationRef,
-    ReleaseReason, Role, is_label_value,
+    ControllerRegistration, ControllerRegistrationStatus, OWNER_ANNOTATION, PROJECT_LABEL, REGISTERED_BY_ANNOTATION,
+    REGISTERED_BY_API, REGISTRATION_FINALIZER, RegistrationRef, ReleaseReason, Role, is_label_value,
 };
-use crate::election::NewRegistration;
+use crate::election::{ElectionError, NewRegistration};
 use crate::election::store::{ProjectView, RegisterOutcome, Registration};
 use crate::time::to_k8s;
 
@@ -161,6 +161,35 @@ fn uid(obj: &ControllerRegistration) -> Result<Uuid, ControllerError> {
     Uuid::parse_str(&uid).map_err(|_| ControllerError::MissingField("metadata.uid"))
 }
 
+/// What the reconcile found for the resource in the election.
+enum Found {
+    /// Its row (registered now, or before).
+    Registered(Registration),
+    /// Another resource holds its session on its project.
+    Duplicate(Registration),
+    /// Not used, and why (a condition reason and message).
+    Unused { reason: &'static str, message: String },
+}
+
+/// How long a resource the API created may wait for its row before the reconciler takes
+/// it for the leftover of a call that died between its two steps, and deletes it. Far
+/// longer than a register call's own retries (a few seconds).
+pub const ORPHAN_GRACE: chrono::TimeDelta = chrono::TimeDelta::seconds(60);
+
+/// Whether the API made this resource (and so writes its row; SPEC §12, one writer per
+/// registration).
+pub fn through_api(obj: &ControllerRegistration) -> bool {
+    obj.annotations().get(REGISTERED_BY_ANNOTATION).map(String::as_str) == Some(REGISTERED_BY_API)
+}
+
+/// The owner of a kubectl registration: the annotation the admission policy stamped, when
+/// this operator is told to trust it (PRISM_TRUST_OWNER_ANNOTATION); else none is known.
+pub fn kubectl_owner(obj: &ControllerRegistration, trusted: bool) -> Option<String> {
+    let owner = obj.annotations().get(OWNER_ANNOTATION)?;
+    let shaped = !owner.is_empty() && owner.chars().count() <= 1024 && !owner.chars().any(char::is_control);
+    (trusted && shaped).then(|| owner.clone())
+}
+
 async fn apply(
     obj: &ControllerRegistration,
     api: &Api<ControllerRegistration>,
@@ -168,44 +197,95 @@ async fn apply(
 ) -> Result<Action, ControllerError> {
     let id = uid(obj)?;
     let ns = obj.namespace().unwrap_or_default();
-    let new = NewRegistration {
-        id,
-        namespace: ns.clone(),
-        name: obj.name_any(),
-        project_id: obj.spec.project_id.clone(),
-        session_id: obj.spec.session_id.clone(),
-        surface: obj.spec.agent_surface,
-    };
+    let now = Utc::now();
     // Most reconciles find the registration known (a resync, a trigger): one indexed read
     // without the project lock.
-    let outcome = match ctx.election.get(id).await? {
-        Some(row) => RegisterOutcome::Registered(row),
-        None => ctx.election.register(&new).await?,
+    let found = match ctx.election.get(id).await? {
+        Some(row) => Found::Registered(row),
+        // The API writes this one's row; without it yet, wait, and after the grace the
+        // resource is a leftover: never registered here (a refused or wrapped session
+        // would come back to life from it), deleted instead.
+        None if through_api(obj) => {
+            let created = obj.creation_timestamp().map(|t| t.0.as_second()).unwrap_or(i64::MAX);
+            if now.timestamp().saturating_sub(created) > ORPHAN_GRACE.num_seconds() {
+                delete_orphan(api, obj).await?;
+                return Ok(Action::await_change());
+            }
+            Found::Unused {
+                reason: "Registering",
+                message: "created through the API; waiting for its registration".to_string(),
+            }
+        }
+        None => {
+            let new = NewRegistration {
+                id,
+                namespace: ns.clone(),
+                name: obj.name_any(),
+                project_id: obj.spec.project_id.clone(),
+                session_id: obj.spec.session_id.clone(),
+                surface: obj.spec.agent_surface,
+                owner: kubectl_owner(obj, ctx.trust_owner_annotation),
+                through_api: false,
+            };
+            match ctx.election.register(&new).await {
+                Ok(RegisterOutcome::Registered(row)) => Found::Registered(row),
+                Ok(RegisterOutcome::DuplicateSession { existing }) => Found::Duplicate(existing),
+                // The session is another identity's (or has an owner, and this resource's
+                // is not known): it is not moved, and this resource is not used.
+                Err(ElectionError::NotOwned(session)) => Found::Unused {
+                    reason: "SessionNotOwned",
+                    message: format!("session {session} belongs to another identity; this registration is not used"),
+                },
+                Err(ElectionError::QuotaExceeded(quota)) => Found::Unused {
+                    reason: "QuotaExceeded",
+                    message: format!("quota exceeded: {quota}; this registration is not used"),
+                },
+                Err(e) => return Err(e.into()),
+            }
+        }
     };
 
-    let now = Utc::now();
     let previous = ctx.written_registrations.previous(obj.uid().as_deref(), obj.status.as_ref()).unwrap_or_default();
-    let next = match &outcome {
-        RegisterOutcome::Registered(row) => {
+    let generation = obj.metadata.generation;
+    let next = match &found {
+        Found::Registered(row) => {
             let view = ctx.election.project(&row.namespace, &row.project_id).await?;
             let preempted_by = match row.preempted_by {
                 Some(by) => ctx.election.get(by).await?,
                 None => None,
             };
-            build_status(row, &view, preempted_by.as_ref(), obj.metadata.generation, &previous, ctx.stale_after, now)
+            build_status(row, &view, preempted_by.as_ref(), generation, &previous, ctx.stale_after, now)
         }
-        RegisterOutcome::DuplicateSession { existing } => {
-            duplicate_status(existing, obj.metadata.generation, &previous, now)
-        }
+        Found::Duplicate(existing) => duplicate_status(existing, generation, &previous, now),
+        Found::Unused { reason, message } => unused_status(reason, message, generation, &previous, now),
     };
     write_status(api, &ctx.recorder, &ctx.written_registrations, obj, &previous, &next).await?;
 
-    Ok(match next.role {
+    Ok(match (&found, next.role) {
+        // The API's row comes within its call, or the grace ends.
+        (Found::Unused { reason: "Registering", .. }, _) => Action::requeue(Duration::from_secs(5)),
         // Live registrations come back to refresh lastHeartbeat and the Stale condition.
-        Role::Master | Role::Peer => Action::requeue(next_slot(ctx.status_heartbeat, id, now)),
-        Role::Pending => Action::requeue(Duration::from_secs(60)),
-        Role::Released => Action::await_change(),
+        (_, Role::Master | Role::Peer) => Action::requeue(next_slot(ctx.status_heartbeat, id, now)),
+        (_, Role::Pending) => Action::requeue(Duration::from_secs(60)),
+        (_, Role::Released) => Action::await_change(),
     })
+}
+
+/// Deletes a resource the API made that never got its row (only that resource: a uid
+/// precondition). Its finalizer then releases nothing and lets it go.
+async fn delete_orphan(api: &Api<ControllerRegistration>, obj: &ControllerRegistration) -> Result<(), ControllerError> {
+    let params = kube::api::DeleteParams {
+        preconditions: Some(kube::api::Preconditions { uid: obj.uid(), resource_version: None }),
+        ..Default::default()
+    };
+    match api.delete(&obj.name_any(), &params).await {
+        Ok(_) => {
+            warn!("deleted a registration the API created but never registered (its call ended between the two steps)");
+            Ok(())
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Deleting the resource is the wrap: release (promoting a successor); `finalizer()`
@@ -309,24 +389,28 @@ fn duplicate_status(
     previous: &ControllerRegistrationStatus,
     now: DateTime<Utc>,
 ) -> ControllerRegistrationStatus {
+    // The other resource is of this namespace (sessions are scoped by namespace).
     let msg = format!(
         "session {} is already registered on project {} by {}; this registration is not used",
         existing.session_id, existing.project_id, existing.name
     );
+    unused_status("DuplicateSession", &msg, generation, previous, now)
+}
+
+/// The status of a resource that is not in the election, with the reason why.
+fn unused_status(
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    previous: &ControllerRegistrationStatus,
+    now: DateTime<Utc>,
+) -> ControllerRegistrationStatus {
     ControllerRegistrationStatus {
         role: Role::Pending,
         observed_generation: generation,
         conditions: vec![
-            condition(&previous.conditions, "Ready", false, "DuplicateSession", &msg, generation, now),
-            condition(
-                &previous.conditions,
-                "Master",
-                false,
-                "DuplicateSession",
-                "not in the election",
-                generation,
-                now,
-            ),
+            condition(&previous.conditions, "Ready", false, reason, message, generation, now),
+            condition(&previous.conditions, "Master", false, reason, "not in the election", generation, now),
         ],
         ..Default::default()
     }
@@ -367,8 +451,16 @@ pub fn role_event(previous: &ControllerRegistrationStatus, next: &ControllerRegi
         (_, Role::Pending) => next
             .conditions
             .iter()
-            .find(|c| c.type_ == "Ready" && c.reason == "DuplicateSession")
-            .map(|c| (EventType::Warning, "DuplicateSession", c.message.clone())),
+            .find(|c| c.type_ == "Ready")
+            .and_then(|c| {
+                let reason = match c.reason.as_str() {
+                    "DuplicateSession" => "DuplicateSession",
+                    "SessionNotOwned" => "SessionNotOwned",
+                    "QuotaExceeded" => "QuotaExceeded",
+                    _ => return None,
+                };
+                Some((EventType::Warning, reason, c.message.clone()))
+            }),
     }
 }
 

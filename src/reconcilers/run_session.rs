@@ -17,8 +17,8 @@ use uuid::Uuid;
 use super::status::{ObservedStatus, StatusEvent, write_status};
 use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus};
-use crate::run_registry::RunAddress;
-use crate::run_registry::identity::{Identity, Mirror};
+use crate::run_registry::identity::{IdentitySpec, Mirror};
+use crate::run_registry::sessions::{Fenced, REVOKED_EPOCH_TTL};
 use crate::run_registry::projection::{self, Lease, SessionView};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
@@ -52,9 +52,9 @@ impl ObservedStatus for RunSessionStatus {
     }
 }
 
-fn identity_of(obj: &RunSession) -> Result<Identity, ControllerError> {
+fn identity_of(obj: &RunSession) -> Result<IdentitySpec, ControllerError> {
     let uid = obj.uid().ok_or(ControllerError::MissingField("metadata.uid"))?;
-    Ok(Identity {
+    Ok(IdentitySpec {
         id: Uuid::parse_str(&uid).map_err(|_| ControllerError::MissingField("metadata.uid"))?,
         namespace: obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?,
         name: obj.name_any(),
@@ -66,6 +66,17 @@ fn identity_of(obj: &RunSession) -> Result<Identity, ControllerError> {
     })
 }
 
+/// What a duplicate's status says of the resource that holds its identity: its name when
+/// it is of the same namespace, and nothing of it when it is another tenant's.
+pub fn duplicate_message(identity: &IdentitySpec, owner_namespace: &str, owner_name: &str) -> String {
+    let address = identity.address();
+    if owner_namespace == identity.namespace {
+        format!("{address} is already claimed by RunSession {owner_name}; this one is not used")
+    } else {
+        format!("{address} is already claimed by a RunSession of another namespace; this one is not used")
+    }
+}
+
 async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
     let address = identity.address();
@@ -75,32 +86,48 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
 
     let (next, requeue) = match ctx.registry.identities.mirror(&identity).await? {
         Mirror::Duplicate { owner_namespace, owner_name } => {
-            let msg = format!(
-                "{}/{} is already claimed by RunSession {owner_namespace}/{owner_name}; this one is not used",
-                identity.server_instance_id, identity.component_kind
-            );
-            (duplicate_status(&previous, generation, &msg, now), Duration::from_secs(30))
+            let msg = duplicate_message(&identity, &owner_namespace, &owner_name);
+            (duplicate_status(&previous, generation, "DuplicateIdentity", &msg, now), Duration::from_secs(30))
         }
-        Mirror::Owned { rotated } => {
-            let credential_rotated = rotated && revoke_session(ctx, obj, &address).await;
-            let lease_len = Duration::from_secs(u64::from(ctx.registry.lease_seconds(&identity)));
+        Mirror::Revoked => {
+            let msg = format!("{address} was taken over by a later RunSession of this name; this one is not used");
+            (duplicate_status(&previous, generation, "IdentityRevoked", &msg, now), Duration::from_secs(300))
+        }
+        Mirror::Owned { rotated, epoch } => {
+            if rotated {
+                ctx.fences_owed.insert(identity.id, ());
+            }
+            let lease_len = Duration::from_secs(u64::from(ctx.registry.lease_seconds(identity.lease_seconds)));
             let shown = SessionView::shown_in(&previous);
-            let (view, requeue) = match ctx.registry.sessions.session(&address).await {
-                Ok(session) => {
-                    // A session opened with an older key does not count.
-                    let session = session.filter(|s| s.generation == identity.key_generation);
-                    match &session {
+            // Every reconcile fences the address to the identity's epoch (level-triggered
+            // revocation, SPEC §12): a session of an older key is ended here, even when
+            // the write that should have ended it failed before, or a hello raced the
+            // rotation.
+            let (view, requeue) = match ctx.registry.sessions.fence(&address, epoch, None).await {
+                Ok(fenced) => {
+                    ctx.fences_owed.invalidate(&identity.id);
+                    match &fenced {
                         // Come back right after the lease would end.
-                        Some(s) => (
+                        Fenced::Live(s) => (
                             projection::project(Lease::Held(s), &shown),
                             s.lease_left.min(lease_len) + Duration::from_millis(250),
                         ),
-                        None => (projection::project(Lease::Absent { credential_rotated }, &shown), lease_len),
+                        Fenced::Absent => {
+                            (projection::project(Lease::Absent { credential_rotated: false }, &shown), lease_len)
+                        }
+                        Fenced::Revoked => {
+                            info!(name = %obj.name_any(), "credential rotated; the older key's session ended");
+                            (projection::project(Lease::Absent { credential_rotated: true }, &shown), lease_len)
+                        }
                     }
                 }
                 Err(e) if e.registry_unavailable() => {
                     warn!(name = %obj.name_any(), error = %e, "Redis unavailable; RunSession shown Unavailable");
-                    (projection::project(Lease::RegistryDown, &shown), Duration::from_secs(5))
+                    // A fence owed (the key was just rotated) is tried again at once: the
+                    // old key's session must end within seconds of the rotation.
+                    let owed = ctx.fences_owed.contains_key(&identity.id);
+                    let retry = if owed { Duration::from_secs(1) } else { Duration::from_secs(5) };
+                    (projection::project(Lease::RegistryDown, &shown), retry)
                 }
                 Err(e) => return Err(e.into()),
             };
@@ -111,31 +138,18 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
     Ok(Action::requeue(requeue))
 }
 
-/// Ends the live session after a credential rotation; true when there was one. A
-/// failure is logged and leaves the reason unchanged: the old key no longer proves
-/// possession anyway, and the lease runs out on its own.
-async fn revoke_session(ctx: &Context, obj: &RunSession, address: &RunAddress) -> bool {
-    match ctx.registry.sessions.revoke(address).await {
-        Ok(revoked) => {
-            if revoked {
-                info!(name = %obj.name_any(), "credential rotated; live session revoked");
-            }
-            revoked
-        }
-        Err(error) => {
-            warn!(name = %obj.name_any(), %error, "credential rotated; could not revoke the live session now");
-            false
-        }
-    }
-}
-
-/// Deleting the resource revokes the identity: the live session stops being accepted.
-/// Its queued jobs stay queued (they are durable, and addressed to the identity).
+/// Deleting the resource revokes the identity (a new epoch), cancels the jobs of its
+/// namespace it left unfinished (`identity_deleted`: nobody may run them now), and fences
+/// Redis to the revoked epoch, which ends its session. Every step is repeated until all
+/// succeed: the finalizer stays until then, so a failed Redis write is made again.
 async fn cleanup(obj: &RunSession, ctx: &Context) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
-    if ctx.registry.identities.revoke(identity.id).await? {
-        ctx.registry.sessions.revoke(&identity.address()).await?;
-        info!(name = %obj.name_any(), "RunSession deleted; identity revoked");
+    let address = identity.address();
+    // None: this resource never held the identity (a duplicate): nothing of it to undo.
+    if let Some(epoch) = ctx.registry.identities.revoke(identity.id).await? {
+        let cancelled = ctx.registry.jobs.cancel_for_identity(&identity.namespace, &address, identity.id).await?;
+        ctx.registry.sessions.fence(&address, epoch, Some(REVOKED_EPOCH_TTL)).await?;
+        info!(name = %obj.name_any(), jobs_cancelled = cancelled, "RunSession deleted; identity revoked, its session ended");
     }
     Ok(Action::await_change())
 }
@@ -182,13 +196,14 @@ fn identity_conditions(
 fn duplicate_status(
     previous: &RunSessionStatus,
     generation: Option<i64>,
+    reason: &str,
     msg: &str,
     now: DateTime<Utc>,
 ) -> RunSessionStatus {
     RunSessionStatus {
         phase: RunPhase::Pending,
         observed_generation: generation,
-        conditions: vec![condition(&previous.conditions, "Ready", false, "DuplicateIdentity", msg, generation, now)],
+        conditions: vec![condition(&previous.conditions, "Ready", false, reason, msg, generation, now)],
         ..Default::default()
     }
 }
@@ -227,6 +242,7 @@ mod tests {
         Session {
             session_id: Uuid::nil(),
             generation: 1,
+            epoch: 1,
             started_at: DateTime::from_timestamp_millis(1_700_000_000_000).expect("time"),
             last_heartbeat: DateTime::from_timestamp_millis(1_700_000_005_000).expect("time"),
             version: Some("1.4.2".into()),

@@ -1,5 +1,12 @@
 //! Run identities mirrored from RunSession resources into Postgres, so any replica can
 //! check a hello without the Kubernetes API.
+//!
+//! Each row carries an **epoch**: a number from one sequence, taken anew whenever the
+//! identity's key changes or it is revoked. A session is opened in the epoch its hello
+//! proved, and authorizes nothing once that is not the current epoch of its address:
+//! that is what makes a rotation or a deletion stick whatever failed at that moment
+//! (SPEC §12). Each row also carries the hello high-water mark that makes a hello
+//! impossible to replay after Redis forgot its nonces.
 
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -7,8 +14,10 @@ use uuid::Uuid;
 use super::{RegistryError, RunAddress};
 use crate::db::{QueryError, Step};
 
+/// What a RunSession says its identity is: what is mirrored.
 #[derive(Clone, Debug, PartialEq, sqlx::FromRow)]
-pub struct Identity {
+pub struct IdentitySpec {
+    /// The RunSession's metadata.uid.
     pub id: Uuid,
     pub namespace: String,
     pub name: String,
@@ -19,22 +28,55 @@ pub struct Identity {
     pub lease_seconds: Option<i32>,
 }
 
-impl Identity {
+impl IdentitySpec {
     pub fn address(&self) -> RunAddress {
         RunAddress { server_instance_id: self.server_instance_id.clone(), component_kind: self.component_kind.clone() }
     }
 }
 
+/// A live identity as stored: its spec and its current epoch.
+#[derive(Clone, Debug, PartialEq, sqlx::FromRow)]
+pub struct Identity {
+    #[sqlx(flatten)]
+    pub spec: IdentitySpec,
+    pub epoch: i64,
+}
+
+impl Identity {
+    pub fn address(&self) -> RunAddress {
+        self.spec.address()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Mirror {
-    /// The resource owns the identity (new, or its credential was updated).
-    Owned { rotated: bool },
-    /// Another live resource owns this (server, component): this one is not used.
+    /// The resource owns the identity (new, or its credential was updated), in `epoch`.
+    Owned { rotated: bool, epoch: i64 },
+    /// Another live resource owns this (server, component): this one is not used. (Its
+    /// namespace and name are for the reconciler to decide what to say: a status never
+    /// names another tenant's objects.)
     Duplicate { owner_namespace: String, owner_name: String },
+    /// This resource's row was revoked (a later resource of the same name took the
+    /// identity over): it stands for nothing any more.
+    Revoked,
+}
+
+/// How a hello's mark was taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HelloMark {
+    /// Accepted: the session opens in this epoch.
+    Taken { epoch: i64 },
+    /// The identity went away (revoked) since it was read.
+    Revoked,
+    /// Its key generation is no longer the one the hello proved.
+    Rotated,
+    /// A hello of this identity with a later timestamp, or this same second and nonce,
+    /// was accepted before.
+    Replayed,
 }
 
 const COLUMNS: &str =
-    "id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds";
+    "id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds, epoch";
 
 #[derive(Clone)]
 pub struct IdentityStore {
@@ -55,13 +97,13 @@ impl IdentityStore {
     /// uids). Two objects of one name cannot live at once, so that one is gone: its row is
     /// revoked and this resource takes the identity, as a rotation (the old key's session
     /// ends). Without this, every restored RunSession would be a duplicate of itself.
-    pub async fn mirror(&self, i: &Identity) -> Result<Mirror, RegistryError> {
+    pub async fn mirror(&self, i: &IdentitySpec) -> Result<Mirror, RegistryError> {
         match self.upsert(i).await? {
             Mirror::Duplicate { owner_namespace, owner_name }
                 if owner_namespace == i.namespace && owner_name == i.name =>
             {
                 let replaced: Option<Uuid> = sqlx::query_scalar(
-                    "UPDATE run_identities SET revoked_at = now()
+                    "UPDATE run_identities SET revoked_at = now(), epoch = nextval('run_identity_epochs')
                      WHERE server_instance_id = $1 AND component_kind = $2 AND revoked_at IS NULL
                        AND namespace = $3 AND name = $4 AND id <> $5
                      RETURNING id",
@@ -82,7 +124,7 @@ impl IdentityStore {
                     );
                 }
                 match self.upsert(i).await? {
-                    Mirror::Owned { .. } => Ok(Mirror::Owned { rotated: true }),
+                    Mirror::Owned { epoch, .. } => Ok(Mirror::Owned { rotated: true, epoch }),
                     duplicate => Ok(duplicate),
                 }
             }
@@ -90,33 +132,38 @@ impl IdentityStore {
         }
     }
 
-    async fn upsert(&self, i: &Identity) -> Result<Mirror, RegistryError> {
-        let previous: Option<(String, i64, Option<i32>)> = sqlx::query_as(
-            "SELECT public_key, key_generation, lease_seconds FROM run_identities WHERE id = $1 AND revoked_at IS NULL",
+    async fn upsert(&self, i: &IdentitySpec) -> Result<Mirror, RegistryError> {
+        let previous: Option<(String, i64, Option<i32>, i64)> = sqlx::query_as(
+            "SELECT public_key, key_generation, lease_seconds, epoch FROM run_identities WHERE id = $1 AND revoked_at IS NULL",
         )
         .bind(i.id)
         .fetch_optional(&self.pool)
         .await
         .step("mirror identity: read it")?;
-        if previous.as_ref().is_some_and(|(key, generation, lease)| {
-            (key.as_str(), *generation, *lease) == (i.public_key.as_str(), i.key_generation, i.lease_seconds)
-        }) {
+        if let Some((key, generation, lease, epoch)) = &previous
+            && (key.as_str(), *generation, *lease) == (i.public_key.as_str(), i.key_generation, i.lease_seconds)
+        {
             // Unchanged (every live Run's reconcile, once a lease): the upsert below would
             // change nothing but still lock the row, a WAL record and a commit flush each
             // time (the scale bench: ~400 a second at 10,000 Runs).
-            return Ok(Mirror::Owned { rotated: false });
+            return Ok(Mirror::Owned { rotated: false, epoch: *epoch });
         }
-        let previous = previous.map(|(_, generation, _)| generation);
-        let res = sqlx::query(
+        let previous = previous.map(|(key, generation, _, _)| (key, generation));
+        let res: Result<Option<i64>, sqlx::Error> = sqlx::query_scalar(
             "INSERT INTO run_identities (id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
              ON CONFLICT (id) DO UPDATE SET public_key = EXCLUDED.public_key, key_generation = EXCLUDED.key_generation,
-                 lease_seconds = EXCLUDED.lease_seconds, updated_at = now()
+                 lease_seconds = EXCLUDED.lease_seconds, updated_at = now(),
+                 -- A new key is a new epoch: sessions of the old one authorize nothing.
+                 epoch = CASE WHEN (run_identities.public_key, run_identities.key_generation)
+                                   IS DISTINCT FROM (EXCLUDED.public_key, EXCLUDED.key_generation)
+                              THEN nextval('run_identity_epochs') ELSE run_identities.epoch END
              WHERE run_identities.revoked_at IS NULL
                -- Only a real change writes: every reconcile mirrors (a Redis outage
                -- reconciles them all), and that must not touch a durable row (SPEC §10).
                AND (run_identities.public_key, run_identities.key_generation, run_identities.lease_seconds)
-                   IS DISTINCT FROM (EXCLUDED.public_key, EXCLUDED.key_generation, EXCLUDED.lease_seconds)",
+                   IS DISTINCT FROM (EXCLUDED.public_key, EXCLUDED.key_generation, EXCLUDED.lease_seconds)
+             RETURNING epoch",
         )
         .bind(i.id)
         .bind(&i.namespace)
@@ -126,10 +173,26 @@ impl IdentityStore {
         .bind(&i.public_key)
         .bind(i.key_generation)
         .bind(i.lease_seconds)
-        .execute(&self.pool)
+        .fetch_optional(&self.pool)
         .await;
         match res {
-            Ok(_) => Ok(Mirror::Owned { rotated: previous.is_some_and(|g| g != i.key_generation) }),
+            Ok(Some(epoch)) => {
+                let rotated = previous.is_some_and(|(key, g)| (key.as_str(), g) != (i.public_key.as_str(), i.key_generation));
+                Ok(Mirror::Owned { rotated, epoch })
+            }
+            // Nothing written: the row changed under us to what we mirror, or was revoked.
+            Ok(None) => {
+                let row: Option<(i64, bool)> =
+                    sqlx::query_as("SELECT epoch, revoked_at IS NULL FROM run_identities WHERE id = $1")
+                        .bind(i.id)
+                        .fetch_optional(&self.pool)
+                        .await
+                        .step("mirror identity: read it again")?;
+                Ok(match row {
+                    Some((epoch, true)) => Mirror::Owned { rotated: false, epoch },
+                    _ => Mirror::Revoked,
+                })
+            }
             Err(sqlx::Error::Database(db)) if db.constraint() == Some("run_identities_one_live_identity") => {
                 let owner: (String, String) = sqlx::query_as(
                     "SELECT namespace, name FROM run_identities
@@ -146,14 +209,80 @@ impl IdentityStore {
         }
     }
 
-    /// The resource is gone: its identity stops authenticating. Returns whether it was live.
-    pub async fn revoke(&self, id: Uuid) -> Result<bool, RegistryError> {
-        let done = sqlx::query("UPDATE run_identities SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL")
-            .bind(id)
-            .execute(&self.pool)
-            .await
-            .step("revoke identity")?;
-        Ok(done.rows_affected() > 0)
+    /// The resource is gone: its identity stops authenticating, in a new epoch. Returns
+    /// the revoked row's epoch whether it is revoked now or was before (a finalizer that
+    /// retries after a failed Redis write must fence with it again); None if the row
+    /// does not exist.
+    pub async fn revoke(&self, id: Uuid) -> Result<Option<i64>, RegistryError> {
+        Ok(sqlx::query_scalar(
+            "UPDATE run_identities
+             SET epoch = CASE WHEN revoked_at IS NULL THEN nextval('run_identity_epochs') ELSE epoch END,
+                 revoked_at = COALESCE(revoked_at, now())
+             WHERE id = $1
+             RETURNING epoch",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .step("revoke identity")?)
+    }
+
+    /// Takes a hello's high-water mark: accepted only while the identity is live with the
+    /// generation the hello proved, and only for a timestamp after the mark, or at the
+    /// mark's second with a nonce not seen in it. One statement, so two hellos never both
+    /// pass on one mark, and a key rotated since the identity was read refuses the hello.
+    pub async fn mark_hello(
+        &self,
+        id: Uuid,
+        generation: i64,
+        timestamp: i64,
+        nonce: &str,
+    ) -> Result<HelloMark, RegistryError> {
+        let taken: Option<i64> = sqlx::query_scalar(
+            "UPDATE run_identities
+             SET hello_nonces = CASE WHEN hello_mark = $3 THEN array_append(hello_nonces, $4) ELSE ARRAY[$4] END,
+                 hello_mark = $3
+             WHERE id = $1 AND revoked_at IS NULL AND key_generation = $2
+               AND (hello_mark IS NULL OR hello_mark < $3 OR (hello_mark = $3 AND NOT $4 = ANY(hello_nonces)))
+             RETURNING epoch",
+        )
+        .bind(id)
+        .bind(generation)
+        .bind(timestamp)
+        .bind(nonce)
+        .fetch_optional(&self.pool)
+        .await
+        .step("hello: take the high-water mark")?;
+        if let Some(epoch) = taken {
+            return Ok(HelloMark::Taken { epoch });
+        }
+        // Say why, without changing anything.
+        let row: Option<(bool, i64)> =
+            sqlx::query_as("SELECT revoked_at IS NOT NULL, key_generation FROM run_identities WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await
+                .step("hello: read the identity that refused the mark")?;
+        Ok(match row {
+            None | Some((true, _)) => HelloMark::Revoked,
+            Some((false, g)) if g != generation => HelloMark::Rotated,
+            Some(_) => HelloMark::Replayed,
+        })
+    }
+
+    /// The namespace of the address's live identity, if `epoch` is its current epoch:
+    /// what a session of that epoch may still act in (None: revoked, rotated or gone).
+    pub async fn current_namespace(&self, a: &RunAddress, epoch: i64) -> Result<Option<String>, RegistryError> {
+        Ok(sqlx::query_scalar(
+            "SELECT namespace FROM run_identities
+             WHERE server_instance_id = $1 AND component_kind = $2 AND revoked_at IS NULL AND epoch = $3",
+        )
+        .bind(&a.server_instance_id)
+        .bind(&a.component_kind)
+        .bind(epoch)
+        .fetch_optional(&self.pool)
+        .await
+        .step("check the session's identity is current")?)
     }
 
     /// The live identity of a (server, component).
@@ -169,13 +298,25 @@ impl IdentityStore {
             .step("read the identity of an address")?)
     }
 
-    /// Every live identity of a server.
-    pub async fn of_server(&self, server_instance_id: &str) -> Result<Vec<Identity>, RegistryError> {
+    /// The live identity of a (server, component) in `namespace` only.
+    pub async fn live_in(&self, namespace: &str, a: &RunAddress) -> Result<Option<Identity>, RegistryError> {
+        Ok(self.live(a).await?.filter(|i| i.spec.namespace == namespace))
+    }
+
+    /// Every live identity of a server (in `namespace`, when given).
+    pub async fn of_server(
+        &self,
+        server_instance_id: &str,
+        namespace: Option<&str>,
+    ) -> Result<Vec<Identity>, RegistryError> {
         let sql = format!(
-            "SELECT {COLUMNS} FROM run_identities WHERE server_instance_id = $1 AND revoked_at IS NULL ORDER BY component_kind"
+            "SELECT {COLUMNS} FROM run_identities WHERE server_instance_id = $1 AND revoked_at IS NULL
+               AND ($2::text IS NULL OR namespace = $2)
+             ORDER BY component_kind"
         );
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(server_instance_id)
+            .bind(namespace)
             .fetch_all(&self.pool)
             .await
             .step("read the identities of a server")?)

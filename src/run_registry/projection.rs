@@ -130,6 +130,7 @@ mod tests {
         Session {
             session_id: uuid::Uuid::nil(),
             generation: 1,
+            epoch: 1,
             started_at: DateTime::from_timestamp_millis(1_700_000_000_000).expect("time"),
             last_heartbeat: DateTime::from_timestamp_millis(1_700_000_005_000).expect("time"),
             version: Some("1.4.2".into()),

@@ -14,7 +14,7 @@ use utoipa::openapi::schema::{ArrayBuilder, KnownFormat, ObjectBuilder, Schema, 
 use uuid::Uuid;
 
 use super::RegistryError;
-use super::identity::{Identity, IdentityStore};
+use super::identity::{HelloMark, Identity, IdentityStore};
 use super::jobs::{Job, JobStore, Step, StepRefused};
 use super::proof;
 use super::sessions::{HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
@@ -300,8 +300,8 @@ pub struct RunRegistry {
 }
 
 impl RunRegistry {
-    pub fn lease_seconds(&self, identity: &Identity) -> u32 {
-        identity.lease_seconds.map(|s| s.max(1) as u32).unwrap_or(self.default_lease_seconds)
+    pub fn lease_seconds(&self, lease_seconds: Option<i32>) -> u32 {
+        lease_seconds.map(|s| s.max(1) as u32).unwrap_or(self.default_lease_seconds)
     }
 
     /// Checks the proof and opens (or rotates) the session. The outer error is
@@ -319,16 +319,25 @@ impl RunRegistry {
         let Some(identity) = self.identities.live(&address).await? else {
             return Ok(Err(HelloError::Refused(ProofRefused::UnknownIdentity)));
         };
-        if let Err(refused) = check_proof(h, identity.key_generation, &identity.public_key, now.timestamp()) {
+        if let Err(refused) = check_proof(h, identity.spec.key_generation, &identity.spec.public_key, now.timestamp()) {
             return Ok(Err(HelloError::Refused(refused)));
         }
-        let lease = self.lease_seconds(&identity);
+        // The durable replay guard, and the last word on the generation: a key rotated
+        // since the identity was read refuses the hello here, in one statement.
+        let epoch = match self.identities.mark_hello(identity.spec.id, h.key_generation, h.timestamp, &h.nonce).await? {
+            HelloMark::Taken { epoch } => epoch,
+            HelloMark::Revoked => return Ok(Err(HelloError::Refused(ProofRefused::UnknownIdentity))),
+            HelloMark::Rotated => return Ok(Err(HelloError::Refused(ProofRefused::StaleGeneration))),
+            HelloMark::Replayed => return Ok(Err(HelloError::Refused(ProofRefused::ReplayedNonce))),
+        };
+        let lease = self.lease_seconds(identity.spec.lease_seconds);
         let token = mint_token(&address)?;
         let hash = token_hash(&token);
         let session = NewSession {
             token_hash: &hash,
             session_id: Uuid::new_v4(),
-            generation: identity.key_generation,
+            generation: identity.spec.key_generation,
+            epoch,
             now,
             lease: std::time::Duration::from_secs(u64::from(lease)),
             version: h.version.as_deref(),
@@ -338,8 +347,11 @@ impl RunRegistry {
         };
         // Nonces are remembered past both ends of the clock window.
         let nonce_ttl = std::time::Duration::from_secs((2 * proof::CLOCK_WINDOW_SECS + 60) as u64);
-        if self.sessions.hello(&address, &h.nonce, &session, nonce_ttl).await? == HelloOutcome::ReplayedNonce {
-            return Ok(Err(HelloError::Refused(ProofRefused::ReplayedNonce)));
+        match self.sessions.hello(&address, &h.nonce, &session, nonce_ttl).await? {
+            HelloOutcome::ReplayedNonce => return Ok(Err(HelloError::Refused(ProofRefused::ReplayedNonce))),
+            // Rotated or replaced after the mark was taken: a newer epoch is in Redis.
+            HelloOutcome::Stale => return Ok(Err(HelloError::Refused(ProofRefused::StaleGeneration))),
+            HelloOutcome::Started | HelloOutcome::Rotated => {}
         }
         let granted =
             Granted { session_token: token, lease_ttl_seconds: lease, heartbeat_interval_seconds: (lease / 3).max(1) };
@@ -362,19 +374,47 @@ impl RunRegistry {
         })
     }
 
-    pub async fn claim(&self, address: &RunAddress, session: &Session, max: i64) -> Result<Vec<Job>, RegistryError> {
-        self.jobs.claim(address, session.session_id, max).await
+    /// The namespace a session still acts in: its identity's, while the session's epoch
+    /// is the identity's current one (checked in Postgres on every claim and step, so a
+    /// rotation or deletion stops them even while Redis could not be told).
+    async fn acting_namespace(&self, address: &RunAddress, session: &Session) -> Result<Option<String>, RegistryError> {
+        self.identities.current_namespace(address, session.epoch).await
+    }
+
+    /// Claims up to `max` of the oldest queued jobs of the session's own address, of its
+    /// identity's namespace only.
+    pub async fn claim(
+        &self,
+        address: &RunAddress,
+        session: &Session,
+        max: i64,
+    ) -> Result<Result<Vec<Job>, SessionRefused>, RegistryError> {
+        let Some(namespace) = self.acting_namespace(address, session).await? else {
+            return Ok(Err(SessionRefused::Superseded));
+        };
+        Ok(Ok(self.jobs.claim(&namespace, address, session.session_id, max).await?))
     }
 
     pub async fn step(
         &self,
         address: &RunAddress,
+        session: &Session,
         id: Uuid,
         step: Step,
         body: Option<&Value>,
-    ) -> Result<Result<Job, StepRefused>, RegistryError> {
-        self.jobs.step(address, id, step, body).await
+    ) -> Result<Result<Job, StepError>, RegistryError> {
+        let Some(namespace) = self.acting_namespace(address, session).await? else {
+            return Ok(Err(StepError::Session(SessionRefused::Superseded)));
+        };
+        Ok(self.jobs.step(&namespace, address, id, step, body).await?.map_err(StepError::Job))
     }
+}
+
+/// Why a job step was refused: the session, or the job.
+#[derive(Debug, PartialEq)]
+pub enum StepError {
+    Session(SessionRefused),
+    Job(StepRefused),
 }
 
 #[derive(Clone, Debug, PartialEq)]

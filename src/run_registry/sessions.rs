@@ -10,7 +10,13 @@
 //!   Its fields are strings; `target`, `capabilities` and `capacity` hold JSON, written
 //!   and read only here, so everything outside this module sees typed `Session`s.
 //! * `{prefix}:run:{srv/comp}:retired` — set of superseded token hashes (TTL: a lease).
-//! * `{prefix}:run:{srv/comp}:nonce:{nonce}` — replay guard for hello nonces.
+//! * `{prefix}:run:{srv/comp}:nonce:{nonce}` — replay guard for hello nonces (the durable
+//!   one is the identity's high-water mark in Postgres; this one only spares it a write).
+//! * `{prefix}:run:{srv/comp}:identity` — the address's current identity epoch (see
+//!   `identity`): a session hash carries the epoch it was opened in, and every script that
+//!   lets a session act compares the two, so a rotated or deleted identity's session
+//!   authorizes nothing once any reconcile (or a newer hello) has written the new epoch,
+//!   whichever Redis write failed before.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -48,6 +54,8 @@ pub struct Session {
     pub session_id: Uuid,
     /// The credential generation the session proved possession with.
     pub generation: i64,
+    /// The identity epoch it was opened in (0: a session of a build before epochs).
+    pub epoch: i64,
     pub started_at: DateTime<Utc>,
     pub last_heartbeat: DateTime<Utc>,
     pub version: Option<String>,
@@ -62,7 +70,8 @@ pub struct Session {
 #[derive(Clone, Debug, PartialEq)]
 pub enum TokenCheck {
     Valid(Session),
-    /// A newer hello replaced this token.
+    /// A newer hello replaced this token, or the identity's key was rotated or the
+    /// identity deleted since (its session is ended by the check itself).
     Superseded,
     /// No live session for this address (lease expired, or Redis lost it).
     Expired,
@@ -73,6 +82,8 @@ pub struct NewSession<'a> {
     pub token_hash: &'a str,
     pub session_id: Uuid,
     pub generation: i64,
+    /// The identity epoch the hello's mark was taken in.
+    pub epoch: i64,
     pub now: DateTime<Utc>,
     pub lease: Duration,
     pub version: Option<&'a str>,
@@ -96,13 +107,24 @@ pub enum HelloOutcome {
     /// A live session was replaced: its token stops authorizing at once.
     Rotated,
     ReplayedNonce,
+    /// The address's current epoch is newer than the hello's: the identity was rotated or
+    /// replaced after the hello read it.
+    Stale,
 }
 
-// KEYS: session, retired, nonce. ARGV: token_hash, session_id, generation, now_ms,
-// lease_ms, nonce_ttl_s, version, target, capabilities, capacity.
+// KEYS: session, retired, nonce, identity. ARGV: token_hash, session_id, generation,
+// now_ms, lease_ms, nonce_ttl_s, version, target, capabilities, capacity, epoch.
 const HELLO: &str = r#"
+local epoch = tonumber(ARGV[11])
+local current = tonumber(redis.call('GET', KEYS[4]) or '0')
+if current > epoch then
+  return 'stale'
+end
 if not redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[6]) then
   return 'replayed'
+end
+if current < epoch then
+  redis.call('SET', KEYS[4], ARGV[11])
 end
 local old = redis.call('HGET', KEYS[1], 'token_hash')
 if old then
@@ -112,20 +134,25 @@ end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'token_hash', ARGV[1], 'session_id', ARGV[2], 'generation', ARGV[3],
   'started_at_ms', ARGV[4], 'last_heartbeat_ms', ARGV[4], 'lease_ms', ARGV[5], 'version', ARGV[7],
-  'target', ARGV[8], 'capabilities', ARGV[9], 'capacity', ARGV[10])
+  'target', ARGV[8], 'capabilities', ARGV[9], 'capacity', ARGV[10], 'epoch', ARGV[11])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 if old then return 'rotated' end
 return 'started'
 "#;
 
-// KEYS: session, retired. ARGV: token_hash, renew ("1"/"0"), now_ms, capabilities or "",
-// capacity or "". Returns the session fields, or a status word.
+// KEYS: session, retired, identity. ARGV: token_hash, renew ("1"/"0"), now_ms,
+// capabilities or "", capacity or "". Returns the session fields, or a status word. A
+// session of another epoch than the address's current one is ended here ('revoked').
 /// Public for the benchmark, which runs this same script straight against Redis.
 pub const CHECK: &str = r#"
 local cur = redis.call('HGET', KEYS[1], 'token_hash')
 if cur ~= ARGV[1] then
   if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 'superseded' end
   return 'expired'
+end
+if redis.call('HGET', KEYS[1], 'epoch') ~= redis.call('GET', KEYS[3]) then
+  redis.call('DEL', KEYS[1])
+  return 'revoked'
 end
 if ARGV[2] == '1' then
   redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[3])
@@ -147,6 +174,47 @@ table.insert(fields, 'ttl_ms')
 table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
 return fields
 "#;
+
+// KEYS: session, identity. ARGV: epoch (the identity's current one, from Postgres),
+// ttl_s of the identity key (0: none; a revoked identity's key expires). Raises the
+// address's epoch to ARGV[1] (never lowers it), ends a session of any other epoch, and
+// returns what is left: the session fields plus its TTL, nothing, or 'revoked'.
+const FENCE: &str = r#"
+local epoch = tonumber(ARGV[1])
+local current = tonumber(redis.call('GET', KEYS[2]) or '0')
+if current < epoch then
+  if ARGV[2] == '0' then
+    redis.call('SET', KEYS[2], ARGV[1])
+  else
+    redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+  end
+  current = epoch
+end
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields == 0 then return fields end
+if tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') ~= current then
+  redis.call('DEL', KEYS[1])
+  return 'revoked'
+end
+table.insert(fields, 'ttl_ms')
+table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
+return fields
+"#;
+
+/// What `fence` found after it wrote the epoch.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Fenced {
+    /// The live session of the current epoch.
+    Live(Session),
+    /// No session.
+    Absent,
+    /// A session of an older epoch, which the fence just ended.
+    Revoked,
+}
+
+/// How long a revoked identity's epoch stays in Redis: past any hello that read the
+/// identity before it was revoked (that hello's mark is refused in Postgres anyway).
+pub const REVOKED_EPOCH_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// How long one request to a Redis node may take, and how long to wait for a connection.
 /// Short: a Run waiting on a dead Redis should get a 503 quickly, not hang.
@@ -435,6 +503,7 @@ pub struct SessionStore {
     hello: Script,
     check: Script,
     read: Script,
+    fence: Script,
 }
 
 /// The fields of a session hash, as Redis returns them (`HGETALL` plus `ttl_ms`).
@@ -484,6 +553,10 @@ impl SessionFields {
         Ok(Session {
             session_id: Uuid::parse_str(self.text("session_id")).map_err(|_| self.corrupt("session_id"))?,
             generation: self.number("generation")?,
+            epoch: match self.text("epoch") {
+                "" => 0,
+                _ => self.number("epoch")?,
+            },
             started_at: self.millis("started_at_ms")?,
             last_heartbeat: self.millis("last_heartbeat_ms")?,
             version: Some(self.text("version")).filter(|v| !v.is_empty()).map(str::to_string),
@@ -509,6 +582,7 @@ impl SessionStore {
             hello: Script::new(HELLO),
             check: Script::new(CHECK),
             read: Script::new(READ),
+            fence: Script::new(FENCE),
         })
     }
 
@@ -580,6 +654,7 @@ impl SessionStore {
             .key(self.key(a, "session"))
             .key(self.key(a, "retired"))
             .key(self.key(a, &format!("nonce:{nonce}")))
+            .key(self.key(a, "identity"))
             .arg(s.token_hash)
             .arg(s.session_id.to_string())
             .arg(s.generation)
@@ -590,11 +665,13 @@ impl SessionStore {
             .arg(s.target.map(to_json).unwrap_or_default())
             .arg(to_json(&s.capabilities))
             .arg(to_json(s.capacity))
+            .arg(s.epoch)
             .invoke_async(&mut conn)
             .await
             .step("hello: write the session lease")?;
         match out.as_str() {
             "replayed" => Ok(HelloOutcome::ReplayedNonce),
+            "stale" => Ok(HelloOutcome::Stale),
             "rotated" => Ok(HelloOutcome::Rotated),
             "started" => Ok(HelloOutcome::Started),
             other => Err(RegistryError::CorruptSession { address: a.clone(), field: "hello", value: other.into() }),
@@ -622,6 +699,7 @@ impl SessionStore {
             .check
             .key(self.key(a, "session"))
             .key(self.key(a, "retired"))
+            .key(self.key(a, "identity"))
             .arg(token_hash)
             .arg(flag)
             .arg(now)
@@ -639,7 +717,7 @@ impl SessionStore {
         let word: String =
             redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the token check")?;
         match word.as_str() {
-            "superseded" => Ok(TokenCheck::Superseded),
+            "superseded" | "revoked" => Ok(TokenCheck::Superseded),
             "expired" => Ok(TokenCheck::Expired),
             other => Err(RegistryError::CorruptSession { address: a.clone(), field: "check", value: other.into() }),
         }
@@ -702,13 +780,35 @@ impl SessionStore {
         }
     }
 
-    /// Ends an address's live session at once (credential rotated, resource deleted).
-    /// Returns whether there was one.
-    pub async fn revoke(&self, a: &RunAddress) -> Result<bool, RegistryError> {
+    /// Makes `epoch` the address's current epoch (never lowering it) and ends a session
+    /// of any other one; returns the live session left, if any. Every reconcile of a
+    /// RunSession runs it (level-triggered revocation: a write that failed is made by the
+    /// next reconcile), as does the finalizer of a deleted one (with `expires`: the
+    /// revoked identity's epoch need not stay forever).
+    pub async fn fence(&self, a: &RunAddress, epoch: i64, expires: Option<Duration>) -> Result<Fenced, RegistryError> {
         let mut conn = self.conn.clone();
-        let removed: i64 =
-            redis::cmd("DEL").arg(self.key(a, "session")).query_async(&mut conn).await.step("revoke the session")?;
-        Ok(removed > 0)
+        let out: redis::Value = self
+            .fence
+            .key(self.key(a, "session"))
+            .key(self.key(a, "identity"))
+            .arg(epoch)
+            .arg(expires.map(|d| d.as_secs().max(1)).unwrap_or(0))
+            .invoke_async(&mut conn)
+            .await
+            .step("fence the session to the identity's epoch")?;
+        if let redis::Value::Array(_) = out {
+            let list: Vec<String> =
+                redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the session")?;
+            if list.is_empty() {
+                return Ok(Fenced::Absent);
+            }
+            return Ok(Fenced::Live(SessionFields::new(a, list).session()?));
+        }
+        let word: String = redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the fence")?;
+        match word.as_str() {
+            "revoked" => Ok(Fenced::Revoked),
+            other => Err(RegistryError::CorruptSession { address: a.clone(), field: "fence", value: other.into() }),
+        }
     }
 }
 

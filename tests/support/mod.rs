@@ -117,7 +117,7 @@ fn start_control_plane() -> ControlPlane {
         std::thread::sleep(std::time::Duration::from_millis(250));
     }
     cp.kubectl_ok(&["create", "namespace", OPERATOR_NAMESPACE]);
-    if std::env::var("PRISM_TEST_OPERATOR_RBAC").as_deref() == Ok("chart") {
+    if chart_mode() {
         cp.operator_kubeconfig = chart_rbac_kubeconfig(&cp, &dir);
         // As the chart installs it; without it (the default run) the operator adds the
         // finalizer and label itself, so both paths are tested.
@@ -134,6 +134,7 @@ pub fn install_admission_policy(cp: &ControlPlane) {
     let out = Command::new(assets_dir().join("helm"))
         .args(["template", "prism", chart.to_str().expect("utf-8"), "--namespace", OPERATOR_NAMESPACE])
         .args(["--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"])
+        .args(["--api-versions", "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"])
         .args(["--show-only", "templates/admission-policy.yaml"])
         .env("HELM_CACHE_HOME", tmp.join("cache"))
         .env("HELM_CONFIG_HOME", tmp.join("config"))
@@ -145,16 +146,25 @@ pub fn install_admission_policy(cp: &ControlPlane) {
     assert!(applied.ok, "apply the admission policy: {}", applied.stderr);
     // Policies take effect asynchronously: probe with server-side dry runs.
     let probe = "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {name: policy-probe, namespace: default}\nspec: {projectId: probe, sessionId: probe, agentSurface: other}\n";
+    // A forged owner must be refused by the ValidatingAdmissionPolicy.
+    let forged = "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {name: policy-probe, namespace: default, annotations: {prism.ntecdev.ai/owner: somebody-else}}\nspec: {projectId: probe, sessionId: probe, agentSurface: other}\n";
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
         let out = cp
             .kubectl(&["create", "--dry-run=server", "-o", "jsonpath={.metadata.finalizers}", "-f", "-"], Some(probe));
-        if out.ok && out.stdout.contains("prism.ntecdev.ai/release") {
+        let refused = cp.kubectl(&["create", "--dry-run=server", "-f", "-"], Some(forged));
+        if out.ok && out.stdout.contains("prism.ntecdev.ai/release") && !refused.ok {
             return;
         }
         assert!(std::time::Instant::now() < deadline, "admission policy not in effect after 30 s: {}", out.stderr);
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
+}
+
+/// Whether this test run uses the chart's RBAC and admission policy
+/// (PRISM_TEST_OPERATOR_RBAC=chart).
+pub fn chart_mode() -> bool {
+    std::env::var("PRISM_TEST_OPERATOR_RBAC").as_deref() == Ok("chart")
 }
 
 /// The namespace the operator "runs in" (its Lease lives there).
@@ -459,6 +469,10 @@ impl Operator {
                 .env("PRISM_LEADER_ELECTION", "false")
                 .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
                 .env("PRISM_LOG_FORMAT", "json")
+                // With the chart's RBAC the chart's admission policy is installed too,
+                // and the operator trusts the owner annotation it guards, as the chart
+                // configures it.
+                .env("PRISM_TRUST_OWNER_ANNOTATION", chart_mode().to_string())
                 .envs(env.iter().copied())
                 .stdin(Stdio::null())
                 .stdout(out)

@@ -21,3 +21,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "prism.image" -}}
 {{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}
 {{- end -}}
+
+{{/* The operator's own identity, as the API server names it in admission requests. */}}
+{{- define "prism.serviceAccountUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "prism.fullname" . }}
+{{- end -}}
+
+{{/* "true" when the chart installs the ValidatingAdmissionPolicy that guards the owner
+annotation of ControllerRegistrations: only then does the operator trust it. */}}
+{{- define "prism.ownerPolicy" -}}
+{{- if and .Values.admissionPolicy.enabled (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") -}}true{{- end -}}
+{{- end -}}
