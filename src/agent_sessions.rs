@@ -5,9 +5,9 @@
 
 use chrono::{DateTime, Utc};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use serde_json::json;
 use kube::{Api, Client, ResourceExt};
 use serde::Serialize;
+use serde_json::json;
 use tracing::warn;
 use uuid::Uuid;
 
@@ -278,7 +278,9 @@ impl AgentService {
         match api.patch(&new.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 422 || s.code == 409 => {}
-            Err(e) => return Err(AgentError::Kube { step: "register: drop the unused resource's finalizer", source: e }),
+            Err(e) => {
+                return Err(AgentError::Kube { step: "register: drop the unused resource's finalizer", source: e });
+            }
         }
         self.delete_resource(&new.id, &new.namespace, &new.name, "register: delete the unused resource").await
     }
@@ -310,7 +312,13 @@ impl AgentService {
     /// later resource that took the same name (a released registration's name is free
     /// again once its resource is gone) is never deleted in its place. Gone already, or
     /// replaced: nothing to delete.
-    async fn delete_resource(&self, id: &Uuid, namespace: &str, name: &str, step: &'static str) -> Result<(), AgentError> {
+    async fn delete_resource(
+        &self,
+        id: &Uuid,
+        namespace: &str,
+        name: &str,
+        step: &'static str,
+    ) -> Result<(), AgentError> {
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), namespace);
         let params = DeleteParams {
             preconditions: Some(Preconditions { uid: Some(id.to_string()), resource_version: None }),

@@ -18,23 +18,7 @@ const MODES: [&str; 2] = ["legacy", "modern"];
 
 /// Runs one scenario of tests/mcp/scenarios.py and returns what it printed.
 async fn scenario(name: &str, mode: &str, url: &str, token: &str, extra: &[(&str, &str)]) -> Value {
-    let python = support::mcp_python().clone();
-    let mut cmd = tokio::process::Command::new(python);
-    cmd.arg(support::repo_root().join("tests/mcp/scenarios.py"))
-        .args([name, "--mode", mode, "--url", url, "--token", token])
-        .kill_on_drop(true);
-    for (k, v) in extra {
-        cmd.arg(format!("--{k}")).arg(v);
-    }
-    let out = tokio::time::timeout(Duration::from_secs(180), cmd.output())
-        .await
-        .unwrap_or_else(|_| panic!("scenario {name} ({mode}) did not finish within 180 s"))
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "scenario {name} ({mode}) failed:\n{stderr}\n{stdout}");
-    let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("scenario {name} printed no JSON ({e}):\n{stdout}\n{stderr}"))
+    support::mcp_scenario(name, mode, url, token, extra).await
 }
 
 /// A tool answer that is not an error: its structured content.

@@ -15,13 +15,13 @@ use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::AppState;
+use super::agents::check_namespace;
 use super::auth::bearer;
 use super::docs::JsonbValue;
 use super::docs::{
     BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, TooManyRequests, Unauthenticated,
     Unavailable, UnsupportedMediaType,
 };
-use super::agents::check_namespace;
 use super::error::{ApiBody, ApiError, ApiJson, ApiPath, ApiQuery, ClientAddr};
 use kube::Api;
 

@@ -77,7 +77,9 @@ pub enum Quota {
 impl std::fmt::Display for Quota {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Quota::Owner(n) => write!(f, "the identity holds {n} live registrations, its quota (PRISM_MAX_SESSIONS_PER_IDENTITY)"),
+            Quota::Owner(n) => {
+                write!(f, "the identity holds {n} live registrations, its quota (PRISM_MAX_SESSIONS_PER_IDENTITY)")
+            }
             Quota::Namespace(n) => {
                 write!(f, "the namespace holds {n} live registrations, its quota (PRISM_MAX_SESSIONS_PER_NAMESPACE)")
             }
@@ -208,7 +210,8 @@ impl ElectionStore {
     }
 
     pub fn with_quotas(pool: PgPool, quotas: Quotas) -> Self {
-        let namespace_counts = moka::sync::Cache::builder().max_capacity(10_000).time_to_live(NAMESPACE_COUNT_TTL).build();
+        let namespace_counts =
+            moka::sync::Cache::builder().max_capacity(10_000).time_to_live(NAMESPACE_COUNT_TTL).build();
         Self { pool, quotas, namespace_counts }
     }
 
@@ -391,13 +394,11 @@ impl ElectionStore {
 
     /// Live registrations the owner holds now.
     pub async fn owned_live(&self, owner: &str) -> Result<i64, ElectionError> {
-        Ok(sqlx::query_scalar(
-            "SELECT count(*) FROM controller_registrations WHERE owner = $1 AND released_at IS NULL",
-        )
-        .bind(owner)
-        .fetch_one(&self.pool)
-        .await
-        .step("quota: count the owner's live registrations")?)
+        Ok(sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE owner = $1 AND released_at IS NULL")
+            .bind(owner)
+            .fetch_one(&self.pool)
+            .await
+            .step("quota: count the owner's live registrations")?)
     }
 
     /// Would one more registration of `owner` in `namespace` exceed a quota? (The cheap

@@ -23,8 +23,8 @@ use crate::crd::{
     ControllerRegistration, ControllerRegistrationStatus, OWNER_ANNOTATION, PROJECT_LABEL, REGISTERED_BY_ANNOTATION,
     REGISTERED_BY_API, REGISTRATION_FINALIZER, RegistrationRef, ReleaseReason, Role, is_label_value,
 };
-use crate::election::{ElectionError, NewRegistration};
 use crate::election::store::{ProjectView, RegisterOutcome, Registration};
+use crate::election::{ElectionError, NewRegistration};
 use crate::time::to_k8s;
 
 /// Tries of the label patch when our copy keeps turning out stale.
@@ -448,19 +448,15 @@ pub fn role_event(previous: &ControllerRegistrationStatus, next: &ControllerRegi
             let reason = next.release_reason.map(ReleaseReason::as_str).unwrap_or("released");
             Some((EventType::Normal, "Released", format!("released: {reason}")))
         }
-        (_, Role::Pending) => next
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "Ready")
-            .and_then(|c| {
-                let reason = match c.reason.as_str() {
-                    "DuplicateSession" => "DuplicateSession",
-                    "SessionNotOwned" => "SessionNotOwned",
-                    "QuotaExceeded" => "QuotaExceeded",
-                    _ => return None,
-                };
-                Some((EventType::Warning, reason, c.message.clone()))
-            }),
+        (_, Role::Pending) => next.conditions.iter().find(|c| c.type_ == "Ready").and_then(|c| {
+            let reason = match c.reason.as_str() {
+                "DuplicateSession" => "DuplicateSession",
+                "SessionNotOwned" => "SessionNotOwned",
+                "QuotaExceeded" => "QuotaExceeded",
+                _ => return None,
+            };
+            Some((EventType::Warning, reason, c.message.clone()))
+        }),
     }
 }
 

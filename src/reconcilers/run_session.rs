@@ -18,8 +18,8 @@ use super::status::{ObservedStatus, StatusEvent, write_status};
 use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus};
 use crate::run_registry::identity::{IdentitySpec, Mirror};
-use crate::run_registry::sessions::{Fenced, REVOKED_EPOCH_TTL};
 use crate::run_registry::projection::{self, Lease, SessionView};
+use crate::run_registry::sessions::{Fenced, REVOKED_EPOCH_TTL};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
 

@@ -177,7 +177,8 @@ impl IdentityStore {
         .await;
         match res {
             Ok(Some(epoch)) => {
-                let rotated = previous.is_some_and(|(key, g)| (key.as_str(), g) != (i.public_key.as_str(), i.key_generation));
+                let rotated =
+                    previous.is_some_and(|(key, g)| (key.as_str(), g) != (i.public_key.as_str(), i.key_generation));
                 Ok(Mirror::Owned { rotated, epoch })
             }
             // Nothing written: the row changed under us to what we mirror, or was revoked.

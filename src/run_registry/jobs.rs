@@ -221,7 +221,12 @@ impl JobStore {
     /// namespace may). Returns how many.
     /// Only jobs enqueued before the identity `revoked` was revoked: a finalizer retried
     /// later must not cancel the work of a newer identity that took the address since.
-    pub async fn cancel_for_identity(&self, namespace: &str, a: &RunAddress, revoked: Uuid) -> Result<u64, RegistryError> {
+    pub async fn cancel_for_identity(
+        &self,
+        namespace: &str,
+        a: &RunAddress,
+        revoked: Uuid,
+    ) -> Result<u64, RegistryError> {
         let done = sqlx::query(
             "UPDATE runtime_jobs SET state = 'cancelled', cancel_reason = $4, completed_at = now(), visible_at = NULL,
                  claimed_by_session = NULL, updated_at = now()

@@ -219,7 +219,16 @@ async def replicas(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
+async def calls(args: argparse.Namespace) -> dict[str, Any]:
+    """--calls: a JSON list of [tool, arguments], called in turn by one client named
+    --client (what other test files need of the SDK, one call after another)."""
+    plan = json.loads(args.calls)
+    async with connect(args, args.client) as c:
+        return {"protocol_version": c.protocol_version, "answers": [await call(c, t, a) for t, a in plan]}
+
+
 SCENARIOS = {
+    "calls": calls,
     "smoke": smoke,
     "after_sweep": after_sweep,
     "intruder": intruder,
@@ -240,6 +249,8 @@ def main() -> None:
     parser.add_argument("--namespace-header", default="")
     parser.add_argument("--project", default="PID-MCP")
     parser.add_argument("--session", default="")
+    parser.add_argument("--calls", default="[]")
+    parser.add_argument("--client", default="claude-code")
     args = parser.parse_args()
     result = asyncio.run(SCENARIOS[args.scenario](args))
     sys.stdout.write(json.dumps(result, default=str) + "\n")

@@ -187,19 +187,24 @@ fn chart_rbac_kubeconfig(cp: &ControlPlane, dir: &Path) -> PathBuf {
     assert!(applied.ok, "apply chart RBAC: {}", applied.stderr);
     let token =
         cp.kubectl_ok(&["create", "token", "prism-prism-operator", "-n", OPERATOR_NAMESPACE, "--duration", "6h"]);
+    let path = dir.join("operator-kubeconfig");
+    write_token_kubeconfig(cp, token.trim(), &path);
+    eprintln!("operator processes run with the chart's ServiceAccount (PRISM_TEST_OPERATOR_RBAC=chart)");
+    path
+}
+
+/// A kubeconfig for this control plane that authenticates with `token` (and nothing else).
+pub fn write_token_kubeconfig(cp: &ControlPlane, token: &str, path: &Path) {
     let admin: serde_yaml::Value =
         serde_yaml::from_str(&std::fs::read_to_string(&cp.kubeconfig).expect("kubeconfig")).expect("yaml");
     let cluster = &admin["clusters"][0]["cluster"];
     let kubeconfig = format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {}\n    certificate-authority-data: {}\nusers:\n- name: operator\n  user:\n    token: {}\ncontexts:\n- name: c\n  context: {{cluster: c, user: operator}}\ncurrent-context: c\n",
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {}\n    certificate-authority-data: {}\nusers:\n- name: u\n  user:\n    token: {}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\ncurrent-context: c\n",
         cluster["server"].as_str().expect("server"),
         cluster["certificate-authority-data"].as_str().expect("ca"),
         token.trim()
     );
-    let path = dir.join("operator-kubeconfig");
-    std::fs::write(&path, kubeconfig).expect("write kubeconfig");
-    eprintln!("operator processes run with the chart's ServiceAccount (PRISM_TEST_OPERATOR_RBAC=chart)");
-    path
+    std::fs::write(path, kubeconfig).expect("write kubeconfig");
 }
 
 pub struct Output {
@@ -224,6 +229,31 @@ impl ControlPlane {
             pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
         }
         let out = child.wait_with_output().expect("kubectl output");
+        Output {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// kubectl as the holder of `token` (a token for the API server's audience), not as admin.
+    pub fn kubectl_as(&self, token: &str, args: &[&str], stdin: Option<&str>) -> Output {
+        use std::io::Write;
+        let path = std::env::temp_dir().join(format!("prism-kubeconfig-{}", uuid::Uuid::new_v4().simple()));
+        write_token_kubeconfig(self, token, &path);
+        let mut child = Command::new(assets_dir().join("kubectl"))
+            .args(args)
+            .env("KUBECONFIG", &path)
+            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kubectl");
+        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
+        }
+        let out = child.wait_with_output().expect("kubectl output");
+        let _ = std::fs::remove_file(&path);
         Output {
             ok: out.status.success(),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -1024,6 +1054,29 @@ pub fn mcp_python() -> &'static PathBuf {
         assert!(out.status.success(), "scripts/mcp-sdk failed: {}", String::from_utf8_lossy(&out.stderr));
         PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
     })
+}
+
+/// Runs scenario `name` of tests/mcp/scenarios.py (the official MCP Python SDK) in protocol
+/// generation `mode` (`legacy` or `modern`) against `url` with `token`; `extra` are more
+/// `--key value` arguments. Returns the JSON the scenario printed.
+pub async fn mcp_scenario(name: &str, mode: &str, url: &str, token: &str, extra: &[(&str, &str)]) -> serde_json::Value {
+    let python = mcp_python().clone();
+    let mut cmd = tokio::process::Command::new(python);
+    cmd.arg(repo_root().join("tests/mcp/scenarios.py"))
+        .args([name, "--mode", mode, "--url", url, "--token", token])
+        .kill_on_drop(true);
+    for (k, v) in extra {
+        cmd.arg(format!("--{k}")).arg(v);
+    }
+    let out = tokio::time::timeout(std::time::Duration::from_secs(180), cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("scenario {name} ({mode}) did not finish within 180 s"))
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "scenario {name} ({mode}) failed:\n{stderr}\n{stdout}");
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("scenario {name} printed no JSON ({e}):\n{stdout}\n{stderr}"))
 }
 
 /// An HTTP client for talking to the operator (plain HTTP on loopback).
