@@ -28,6 +28,8 @@ const CACHE_TTL: Duration = Duration::from_secs(10);
 /// over a flood of one-off random ones, so a flood neither wipes nor crowds out the
 /// agents' entries.
 const CACHE_MAX: u64 = 10_000;
+/// How long a token the API server accepted spares its holder the unauthenticated budget.
+const KNOWN_TTL: Duration = Duration::from_secs(600);
 
 /// The audience `kubectl create token … --audience` gives agents (SPEC §12).
 pub const DEFAULT_AUDIENCE: &str = "prism-operator";
@@ -56,6 +58,10 @@ pub struct Authorizer {
     /// The audiences a token must be valid for (PRISM_TOKEN_AUDIENCES).
     audiences: Vec<String>,
     tokens: Cache<[u8; 32], Option<Caller>>,
+    /// Tokens the API server accepted lately (longer than `tokens` keeps the answer):
+    /// asking about them again is no unauthenticated work, so a flood of unknown tokens
+    /// from an address never crowds out the agents there whose tokens are known.
+    known: Cache<[u8; 32], ()>,
     decisions: Cache<Question, bool>,
     limits: std::sync::Arc<Limits>,
 }
@@ -95,7 +101,8 @@ fn accepted(status: &k8s_openapi::api::authentication::v1::TokenReviewStatus, wa
 
 impl Authorizer {
     pub fn new(client: Client, audiences: Vec<String>, limits: std::sync::Arc<Limits>) -> Self {
-        Self { client, audiences, tokens: short_lived(), decisions: short_lived(), limits }
+        let known = Cache::builder().max_capacity(CACHE_MAX).time_to_live(KNOWN_TTL).build();
+        Self { client, audiences, tokens: short_lived(), known, decisions: short_lived(), limits }
     }
 
     /// TokenReview: who is this? 401 `unauthenticated` without a token, 401
@@ -109,7 +116,9 @@ impl Authorizer {
         let caller = match self.tokens.get(&key) {
             Some(c) => c,
             None => {
-                self.limits.unauthenticated(peer)?;
+                if !self.known.contains_key(&key) {
+                    self.limits.unauthenticated(peer)?;
+                }
                 let review = TokenReview {
                     spec: TokenReviewSpec { token: token.to_string(), audiences: Some(self.audiences.clone()) },
                     ..Default::default()
@@ -121,6 +130,10 @@ impl Authorizer {
                     ApiError::unavailable("kubernetes_unavailable", format!("TokenReview failed: {e}"))
                 })?;
                 let caller = done.status.as_ref().and_then(|s| accepted(s, &self.audiences));
+                match &caller {
+                    Some(_) => self.known.insert(key, ()),
+                    None => self.known.invalidate(&key),
+                }
                 self.tokens.insert(key, caller.clone());
                 caller
             }

@@ -475,7 +475,7 @@ impl ElectionStore {
             }
         }
         if let Some(owner) = &new.owner {
-            check_owner_quota(&mut tx, owner, self.quotas.per_owner).await?;
+            check_owner_quota(&mut tx, owner, new, self.quotas.per_owner).await?;
         }
         let plan = plan_registration(&mut tx, new).await?;
         match insert_registration(&mut tx, new, plan.now).await {
@@ -646,18 +646,29 @@ async fn lock_project(tx: &mut Transaction<'_, Postgres>, namespace: &str, proje
 /// The exact per-owner quota: the owner's registrations are counted under a lock of the
 /// owner's (taken after the project locks, always in that order), so two concurrent
 /// registrations of one owner cannot both take its last slot.
-async fn check_owner_quota(tx: &mut Transaction<'_, Postgres>, owner: &str, max: u32) -> Result<(), ElectionError> {
+/// The session's own live registration is not counted: moving it (a context switch)
+/// adds no session.
+async fn check_owner_quota(
+    tx: &mut Transaction<'_, Postgres>,
+    owner: &str,
+    new: &NewRegistration,
+    max: u32,
+) -> Result<(), ElectionError> {
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('owner/' || $1, 0))")
         .bind(owner)
         .execute(&mut **tx)
         .await
         .step("quota: lock the owner")?;
-    let held: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE owner = $1 AND released_at IS NULL")
-            .bind(owner)
-            .fetch_one(&mut **tx)
-            .await
-            .step("quota: count the owner's live registrations")?;
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM controller_registrations
+         WHERE owner = $1 AND released_at IS NULL AND NOT (namespace = $2 AND session_id = $3)",
+    )
+    .bind(owner)
+    .bind(&new.namespace)
+    .bind(&new.session_id)
+    .fetch_one(&mut **tx)
+    .await
+    .step("quota: count the owner's live registrations")?;
     if held >= i64::from(max) {
         return Err(ElectionError::QuotaExceeded(Quota::Owner(max)));
     }
