@@ -206,10 +206,15 @@ pub struct RunArgs {
     #[arg(long, env = "PRISM_HISTORY_RETENTION_DAYS", default_value_t = 30,
           value_parser = clap::value_parser!(u32).range(1..=36_500))]
     pub history_retention_days: u32,
+    /// How often retention runs (deletes released resources and prunes old rows).
+    #[arg(long, env = "PRISM_RETENTION_INTERVAL_SECONDS", default_value_t = 600,
+          value_parser = clap::value_parser!(u32).range(1..=86_400))]
+    pub retention_interval_seconds: u32,
     /// Postgres connections of the HTTP API (agents, Runs), and of the controllers and
     /// background loops: two pools, so a flood of API calls cannot starve the election's
     /// reconciles or the sweep, and /readyz does not fail because the API pool is busy.
-    #[arg(long, env = "PRISM_API_DB_CONNECTIONS", default_value_t = 16,
+    /// (Defaults 12 + 8: three replicas stay well inside Postgres' default of 100.)
+    #[arg(long, env = "PRISM_API_DB_CONNECTIONS", default_value_t = 12,
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub api_db_connections: u32,
     #[arg(long, env = "PRISM_CONTROLLER_DB_CONNECTIONS", default_value_t = 8,

@@ -18,8 +18,13 @@ pub enum DbError {
 
 /// Connects without waiting forever: a dead database is an error the caller can report.
 pub async fn connect(url: &str) -> Result<PgPool, DbError> {
+    connect_with(url, 16).await
+}
+
+/// The same, with a pool of at most `max_connections`.
+pub async fn connect_with(url: &str, max_connections: u32) -> Result<PgPool, DbError> {
     PgPoolOptions::new()
-        .max_connections(16)
+        .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
         .connect(url)
         .await

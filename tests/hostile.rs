@@ -657,6 +657,7 @@ async fn a_flood_of_random_tokens_or_hellos_is_rate_limited() {
     let status_path = format!("/api/v1/controller/P/status?namespace={ns}");
     assert_eq!(get(&op, &agent, &status_path).await.0, 200, "the agent's token is known now");
     let mut limited = 0;
+    let flood_started = std::time::Instant::now();
     for n in 0..40 {
         let r = http()
             .get(op.url(&status_path))
@@ -677,7 +678,13 @@ async fn a_flood_of_random_tokens_or_hellos_is_rate_limited() {
         }
         assert_eq!(get(&op, &agent, &status_path).await.0, 200, "the known agent is served during the flood");
     }
-    assert!(limited >= 30, "only {limited} of 40 random tokens were limited (burst 5, 2/s)");
+    // At most the burst, plus what the bucket refilled meanwhile, got a TokenReview.
+    let allowed = 40 - limited;
+    let refilled = (2.0 * flood_started.elapsed().as_secs_f64()).ceil() as usize;
+    assert!(
+        allowed <= 5 + refilled + 1,
+        "{allowed} of 40 random tokens were reviewed (burst 5, 2/s, {refilled} refilled)"
+    );
 
     // Hellos of one identity: 1/s with a burst of 10 (the defaults).
     let w = runs("h-rate-hello", &[]).await;

@@ -113,7 +113,9 @@ async fn sessions_belong_to_the_identity_that_registered_them() {
     let r = post(&alice, &format!("/api/v1/controller/{id}/release?namespace={ns}"), json!({})).await.expect("release");
     assert_eq!(r.status(), 200);
 
-    // A registration created with kubectl has no owner: any authorized caller acts on it.
+    // A registration created with kubectl: without the chart's admission policy it has
+    // no known owner and any authorized caller acts on it; with it, it is its creator's
+    // (here the admin's), and nobody else's.
     let spec = ControllerRegistrationSpec {
         project_id: "K".into(),
         session_id: "s-kubectl".into(),
@@ -126,7 +128,12 @@ async fn sessions_belong_to_the_identity_that_registered_them() {
     })
     .await;
     let hb = post(&bob, "/api/v1/controller/heartbeat", json!({"namespace": ns, "session_id": "s-kubectl"}));
-    assert_eq!(hb.await.expect("heartbeat").status(), 200);
-    let r = post(&bob, &format!("/api/v1/controller/{kid}/release?namespace={ns}"), json!({})).await.expect("release");
-    assert_eq!(r.status(), 200);
+    let release = post(&bob, &format!("/api/v1/controller/{kid}/release?namespace={ns}"), json!({}));
+    if support::chart_mode() {
+        assert_eq!(code(hb.await.expect("heartbeat")).await, (403, "session_not_owned".to_string()));
+        assert_eq!(code(release.await.expect("release")).await, (403, "session_not_owned".to_string()));
+    } else {
+        assert_eq!(hb.await.expect("heartbeat").status(), 200);
+        assert_eq!(release.await.expect("release").status(), 200);
+    }
 }

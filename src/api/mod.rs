@@ -8,14 +8,12 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{any, get};
-use serde_json::json;
 use sqlx::PgPool;
 use utoipa::OpenApi as _;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::agent_sessions::AgentService;
-use crate::election::Cause;
 use crate::run_registry::service::RunRegistry;
 use crate::telemetry::Metrics;
 
@@ -23,6 +21,7 @@ pub mod agents;
 pub mod auth;
 pub mod docs;
 pub mod error;
+pub mod health;
 pub mod limits;
 pub mod mcp;
 pub mod runs;
@@ -34,7 +33,9 @@ pub use error::{ApiError, ApiJson};
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
 pub struct AppState {
+    /// The API's own Postgres pool (the controllers have theirs).
     pub db: PgPool,
+    pub health: Arc<health::Health>,
     pub kube: kube::Client,
     pub auth: auth::Authorizer,
     pub limits: Arc<limits::Limits>,
@@ -98,63 +99,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// Prometheus text, from memory: the gauges are refreshed in the background
+/// (`health`), so a scrape (needing no token) costs no backend round trip.
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    refresh_gauges(&state).await;
     let headers = [(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")];
     (headers, state.metrics.render()).into_response()
-}
-
-/// Cluster-wide gauges, read at scrape time. A dependency that does not answer is
-/// reported down (and logged) and its gauges keep their last value.
-async fn refresh_gauges(state: &AppState) {
-    let pg_up = match postgres_gauges(state).await {
-        Ok(()) => true,
-        Err(error) => {
-            tracing::warn!(%error, "metrics: Postgres gauges not refreshed");
-            false
-        }
-    };
-    state.metrics.set_up("postgres", pg_up);
-    let redis_up = state.registry.sessions.ping().await.is_ok();
-    state.metrics.set_up("redis", redis_up);
-    if redis_up && let Err(error) = runs_online_gauge(state).await {
-        tracing::warn!(%error, "metrics: runs online not refreshed");
-    }
-}
-
-async fn postgres_gauges(state: &AppState) -> Result<(), crate::db::QueryError> {
-    use crate::db::Step;
-    let m = &state.metrics;
-    let causes: Vec<(Cause, i64)> =
-        sqlx::query_as("SELECT cause, count(*) FROM controller_election_events GROUP BY cause")
-            .fetch_all(&state.db)
-            .await
-            .step("metrics: count election events")?;
-    for (cause, n) in causes {
-        m.set_election_events(cause, n);
-    }
-    let roles: Vec<(String, bool, i64)> = sqlx::query_as(
-        "SELECT namespace, is_master, count(*) FROM controller_registrations WHERE released_at IS NULL GROUP BY 1, 2",
-    )
-    .fetch_all(&state.db)
-    .await
-    .step("metrics: count live registrations")?;
-    m.set_registrations(roles);
-    match state.registry.jobs.queue_depth().await {
-        Ok(n) => {
-            m.jobs_queued.set(n);
-        }
-        Err(crate::run_registry::RegistryError::Database(e)) => return Err(e),
-        Err(other) => tracing::warn!(error = %other, "metrics: queued jobs not counted"),
-    };
-    Ok(())
-}
-
-async fn runs_online_gauge(state: &AppState) -> Result<(), crate::run_registry::RegistryError> {
-    let addresses = state.registry.identities.all_addresses().await?;
-    let online = state.registry.sessions.count_live(&addresses).await?;
-    state.metrics.runs_online.set(i64::try_from(online).unwrap_or(i64::MAX));
-    Ok(())
 }
 
 /// Liveness: the process serves requests. Dependencies are /readyz's business.
@@ -162,35 +111,9 @@ async fn healthz() -> &'static str {
     "ok"
 }
 
-/// Readiness per dependency. Without Postgres nothing works (503). Without Redis the
-/// runtime registry is unavailable but the controller API still is, so the replica stays
-/// in the Service and Runs get a precise 503 `runtime_registry_unavailable` rather than
-/// a connection error.
+/// Readiness per dependency, as the background prober last saw it (`health`).
 async fn readyz(State(state): State<Arc<AppState>>) -> Response {
-    // At once, not one after another: a probe has one timeout for the whole answer.
-    let (postgres, redis, kubernetes) = tokio::join!(
-        async { sqlx::query("SELECT 1").execute(&state.db).await.map(|_| ()).map_err(|e| e.to_string()) },
-        async { state.registry.sessions.ping().await.map_err(|e| e.to_string()) },
-        async { state.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string()) },
-    );
-    let check = |r: &Result<(), String>| match r {
-        Ok(()) => json!({"status": "ok"}),
-        Err(e) => json!({"status": "unavailable", "message": e}),
-    };
-    let ready = postgres.is_ok() && kubernetes.is_ok();
-    let status = match (ready, redis.is_ok()) {
-        (true, true) => "ready",
-        (true, false) => "degraded",
-        (false, _) => "unavailable",
-    };
-    let body = json!({
-        "status": status,
-        "checks": {
-            "postgres": check(&postgres),
-            "runtime_registry": check(&redis),
-            "kubernetes": check(&kubernetes),
-        }
-    });
+    let (ready, body) = state.health.readiness();
     let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, Json(body)).into_response()
 }

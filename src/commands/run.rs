@@ -25,38 +25,50 @@ use crate::telemetry::Metrics;
 /// `prism-operator run`, step by step.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     args.validate()?;
-    let pool = open_database(&args).await?;
+    // Two pools: the HTTP API's, and the controllers' and background loops' (SPEC §12: a
+    // flood of API calls cannot starve the election's reconciles, and /readyz does not
+    // fail because the API pool is busy).
+    let (api_pool, controller_pool) = open_database(&args).await?;
     let sessions = open_session_store(&args).await?;
     let kube = kube::Client::try_default()
         .await
         .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")?;
     let metrics = Arc::new(Metrics::default());
-    let election = ElectionStore::with_quotas(
-        pool.clone(),
-        crate::election::Quotas {
-            per_owner: args.max_sessions_per_identity,
-            per_namespace: args.max_sessions_per_namespace,
-        },
-    );
-    let registry = RunRegistry {
-        sessions,
+    let quotas = crate::election::Quotas {
+        per_owner: args.max_sessions_per_identity,
+        per_namespace: args.max_sessions_per_namespace,
+    };
+    let registry_on = |pool: &sqlx::PgPool| RunRegistry {
+        sessions: sessions.clone(),
         identities: IdentityStore::new(pool.clone()),
         jobs: JobStore::new(pool.clone(), Duration::from_secs(u64::from(args.job_visibility_seconds))),
         default_lease_seconds: args.run_lease_seconds,
     };
+    let (api_registry, controller_registry) = (registry_on(&api_pool), registry_on(&controller_pool));
+    let controller_election = ElectionStore::with_quotas(controller_pool.clone(), quotas);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    start_leader_work(&args, &kube, &election, &registry, &metrics, stop_rx.clone());
+    start_leader_work(&args, &kube, &controller_election, &controller_registry, &metrics, stop_rx.clone());
+    let election = ElectionStore::with_quotas(api_pool.clone(), quotas);
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
-    let mcp = mcp_config(&args, &pool).await?;
+    let mcp = mcp_config(&args, &api_pool).await?;
     let limits = Arc::new(args.limits());
     spawn_limit_pruning(limits.clone());
+    let health = Arc::new(api::health::Health::default());
+    let probes = api::health::Probes {
+        pool: controller_pool,
+        registry: controller_registry,
+        kube: kube.clone(),
+        metrics: metrics.clone(),
+    };
+    api::health::spawn(health.clone(), Arc::new(probes));
     let state = Arc::new(AppState {
-        db: pool,
+        db: api_pool,
+        health,
         auth: api::auth::Authorizer::new(kube.clone(), args.audiences()?, limits.clone()),
         limits,
         agents: AgentService::new(kube.clone(), election, heartbeats),
         kube,
-        registry,
+        registry: api_registry,
         metrics,
         mcp,
     });
@@ -72,13 +84,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Connects (waiting for a Postgres that starts with us) and applies the migrations.
-async fn open_database(args: &RunArgs) -> anyhow::Result<sqlx::PgPool> {
+/// Connects (waiting for a Postgres that starts with us), applies the migrations, and
+/// opens the API's pool beside the controllers'.
+async fn open_database(args: &RunArgs) -> anyhow::Result<(sqlx::PgPool, sqlx::PgPool)> {
     let url = args.database.url()?;
-    let pool = connect_with_retry(url).await?;
-    db::migrate(&pool).await?;
+    let controllers = connect_with_retry(url, args.controller_db_connections).await?;
+    db::migrate(&controllers).await?;
     info!(database = %redact_url(url), "migrations applied");
-    Ok(pool)
+    let api = db::connect_with(url, args.api_db_connections).await?;
+    Ok((api, controllers))
 }
 
 /// The MCP allow-list, and the key that signs MCP session ids: the configured one, else
@@ -132,6 +146,11 @@ fn start_leader_work(
         failures: Default::default(),
         trust_owner_annotation: args.trust_owner_annotation,
         fences_owed: moka::sync::Cache::new(100_000),
+        retention: reconcilers::Retention {
+            released_hours: args.released_retention_hours,
+            history_days: args.history_retention_days,
+            every: Duration::from_secs(u64::from(args.retention_interval_seconds)),
+        },
     });
     let namespace = args.watch_namespace.clone();
     let stale = args.peer_stale_minutes;
@@ -180,10 +199,10 @@ async fn serve_api(
 
 /// Postgres may start after the operator (a Helm install starts both at once): retry for
 /// a while, saying so, then give up with the cause.
-async fn connect_with_retry(url: &str) -> anyhow::Result<sqlx::PgPool> {
+async fn connect_with_retry(url: &str, max_connections: u32) -> anyhow::Result<sqlx::PgPool> {
     let mut last = None;
     for attempt in 1..=15 {
-        match db::connect(url).await {
+        match db::connect_with(url, max_connections).await {
             Ok(pool) => return Ok(pool),
             Err(e) => {
                 warn!(attempt, error = %e, "PostgreSQL not reachable yet");

@@ -608,6 +608,85 @@ impl ElectionStore {
         Ok(released)
     }
 
+    /// Released registrations whose resource may still exist, released over `hours` ago
+    /// (in `namespace` only, when given): what retention deletes.
+    pub async fn released_resources(
+        &self,
+        hours: u32,
+        namespace: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<(Uuid, String, String)>, ElectionError> {
+        Ok(sqlx::query_as(
+            "SELECT id, namespace, name FROM controller_registrations
+             WHERE released_at < now() - make_interval(hours => $1) AND NOT resource_gone
+               AND ($2::text IS NULL OR namespace = $2)
+             ORDER BY released_at LIMIT $3",
+        )
+        .bind(hours as i32)
+        .bind(namespace)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .step("retention: find released registrations' resources")?)
+    }
+
+    /// The registration's resource is gone (its finalizer ran, or retention deleted it):
+    /// from now on its row may be pruned.
+    pub async fn resource_gone(&self, id: Uuid) -> Result<(), ElectionError> {
+        sqlx::query("UPDATE controller_registrations SET resource_gone = TRUE WHERE id = $1 AND NOT resource_gone")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .step("retention: mark the resource gone")?;
+        Ok(())
+    }
+
+    /// Deletes what is older than `days`: released rows whose resource is gone, election
+    /// history, nudges. In batches, so no statement holds many locks for long. Returns
+    /// how many rows of each went.
+    pub async fn prune(&self, days: u32) -> Result<Pruned, ElectionError> {
+        let days = days as i32;
+        let registrations = prune_batches(&self.pool, "retention: prune released registrations", || {
+            sqlx::query(
+                "DELETE FROM controller_registrations WHERE id IN (
+                     SELECT id FROM controller_registrations
+                     WHERE released_at < now() - make_interval(days => $1) AND resource_gone LIMIT 1000)",
+            )
+            .bind(days)
+        })
+        .await?;
+        let nudges = prune_batches(&self.pool, "retention: prune nudges", || {
+            sqlx::query(
+                "DELETE FROM nudges WHERE id IN (
+                     SELECT id FROM nudges WHERE created_at < now() - make_interval(days => $1) LIMIT 1000)",
+            )
+            .bind(days)
+        })
+        .await?;
+        // The history is append-only but for this: its trigger lets a DELETE through only
+        // in a transaction that says it prunes.
+        let mut history = 0;
+        loop {
+            let mut tx = self.pool.begin().await.step("retention: begin pruning history")?;
+            sqlx::query("SET LOCAL prism.pruning = 'on'").execute(&mut *tx).await.step("retention: say so")?;
+            let done = sqlx::query(
+                "DELETE FROM controller_election_events WHERE id IN (
+                     SELECT id FROM controller_election_events
+                     WHERE created_at < now() - make_interval(days => $1) LIMIT 1000)",
+            )
+            .bind(days)
+            .execute(&mut *tx)
+            .await
+            .step("retention: prune election history")?;
+            tx.commit().await.step("retention: commit pruned history")?;
+            history += done.rows_affected();
+            if done.rows_affected() < 1000 {
+                break;
+            }
+        }
+        Ok(Pruned { registrations, history, nudges })
+    }
+
     /// Refreshes `last_heartbeat` of the live registrations of these (namespace,
     /// session_id) pairs in one statement (the heartbeat coalescer calls it with a whole
     /// window's sessions). Returns how many registrations it refreshed.
@@ -627,6 +706,29 @@ impl ElectionStore {
         .await
         .step("heartbeat: refresh last_heartbeat")?;
         Ok(done.rows_affected())
+    }
+}
+
+/// Rows retention deleted, by table.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pruned {
+    pub registrations: u64,
+    pub history: u64,
+    pub nudges: u64,
+}
+
+/// Runs a `DELETE ... LIMIT 1000` until it deletes fewer: how many it deleted in all.
+pub(crate) async fn prune_batches<'q, F>(pool: &PgPool, step: &'static str, query: F) -> Result<u64, QueryError>
+where
+    F: Fn() -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+{
+    let mut total = 0;
+    loop {
+        let done = query().execute(pool).await.step(step)?;
+        total += done.rows_affected();
+        if done.rows_affected() < 1000 {
+            return Ok(total);
+        }
     }
 }
 

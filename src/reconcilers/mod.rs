@@ -76,6 +76,20 @@ pub struct Context {
     /// RunSessions whose key was rotated and whose Redis fence has not been written yet:
     /// while Redis fails they are retried every second, not every five.
     pub fences_owed: moka::sync::Cache<uuid::Uuid, ()>,
+    /// What retention keeps, and how often it looks.
+    pub retention: Retention,
+}
+
+/// SPEC §12 retention settings.
+#[derive(Clone, Copy, Debug)]
+pub struct Retention {
+    /// PRISM_RELEASED_RETENTION_HOURS: released registrations' resources are deleted after.
+    pub released_hours: u32,
+    /// PRISM_HISTORY_RETENTION_DAYS: released rows, history, nudges, finished jobs and
+    /// revoked identities are deleted after.
+    pub history_days: u32,
+    /// How often retention runs (it runs once at start too).
+    pub every: Duration,
 }
 
 /// What a kind brings to the shared reconcile skeleton.
@@ -250,10 +264,11 @@ pub async fn lead(ctx: Arc<Context>, namespace: Option<String>, stale_minutes: u
     ctx.written_registrations.clear();
     ctx.written_runsessions.clear();
     tokio::join!(
-        run_controllers(ctx.clone(), receivers, namespace),
+        run_controllers(ctx.clone(), receivers, namespace.clone()),
         run_sweep(ctx.clone(), stale_minutes, sweep_every),
         run_reaper(ctx.clone(), Duration::from_secs(2)),
         run_registry_watch(ctx.clone(), Duration::from_secs(2)),
+        run_retention(ctx.clone(), namespace.clone()),
         listen,
     );
 }
@@ -320,6 +335,63 @@ pub async fn run_sweep(ctx: Arc<Context>, stale_minutes: u32, interval: Duration
             Err(e) => warn!(error = %e, "stale sweep failed; next attempt at the next interval"),
         }
     }
+}
+
+/// Retention (SPEC §12): once at start, then every `ctx.retention.every`. Released
+/// registrations' resources (of the watched namespace) are deleted after
+/// `released_hours`, each with a uid precondition (never a later resource of that name);
+/// then what is older than `history_days` is pruned. A failure is logged and retried at
+/// the next pass.
+pub async fn run_retention(ctx: Arc<Context>, namespace: Option<String>) {
+    let mut tick = tokio::time::interval(ctx.retention.every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(error) = retain(&ctx, namespace.as_deref()).await {
+            warn!(%error, "retention failed; next attempt at the next pass");
+        }
+    }
+}
+
+async fn retain(ctx: &Context, namespace: Option<&str>) -> Result<(), ControllerError> {
+    let Retention { released_hours, history_days, .. } = ctx.retention;
+    let mut deleted = 0;
+    loop {
+        let batch = ctx.election.released_resources(released_hours, namespace, 200).await?;
+        let full = batch.len() == 200;
+        for (id, ns, name) in batch {
+            let api: Api<ControllerRegistration> = Api::namespaced(ctx.client.clone(), &ns);
+            let params = kube::api::DeleteParams {
+                preconditions: Some(kube::api::Preconditions { uid: Some(id.to_string()), resource_version: None }),
+                ..Default::default()
+            };
+            match api.delete(&name, &params).await {
+                Ok(_) => deleted += 1,
+                // Gone already, or the name is a later resource's now.
+                Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            }
+            ctx.election.resource_gone(id).await?;
+        }
+        if !full {
+            break;
+        }
+    }
+    let pruned = ctx.election.prune(history_days).await?;
+    let jobs = ctx.registry.jobs.prune_finished(history_days).await?;
+    let identities = ctx.registry.identities.prune_revoked(history_days).await?;
+    if deleted + pruned.registrations + pruned.history + pruned.nudges + jobs + identities > 0 {
+        info!(
+            resources_deleted = deleted,
+            registrations = pruned.registrations,
+            history = pruned.history,
+            nudges = pruned.nudges,
+            jobs,
+            identities,
+            "retention: deleted what is past its time"
+        );
+    }
+    Ok(())
 }
 
 /// The job reaper: claimed jobs past their visibility timeout go back to the queue.

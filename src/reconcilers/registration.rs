@@ -293,6 +293,8 @@ async fn delete_orphan(api: &Api<ControllerRegistration>, obj: &ControllerRegist
 async fn cleanup(obj: &ControllerRegistration, ctx: &Context) -> Result<Action, ControllerError> {
     let id = uid(obj)?;
     let was_live = ctx.election.release(id, ReleaseReason::Wrapped).await?;
+    // The resource goes once this returns: its row may be pruned after retention.
+    ctx.election.resource_gone(id).await?;
     if was_live {
         info!("registration wrapped");
         let event = (EventType::Normal, "Released", "released: wrapped (resource deleted)".to_string());

@@ -286,6 +286,19 @@ impl IdentityStore {
         .step("check the session's identity is current")?)
     }
 
+    /// Deletes identities revoked over `days` ago (retention): their epoch is long out of
+    /// Redis and no job of theirs is unfinished. Returns how many.
+    pub async fn prune_revoked(&self, days: u32) -> Result<u64, RegistryError> {
+        Ok(crate::election::store::prune_batches(&self.pool, "retention: prune revoked identities", || {
+            sqlx::query(
+                "DELETE FROM run_identities WHERE id IN (
+                     SELECT id FROM run_identities WHERE revoked_at < now() - make_interval(days => $1) LIMIT 1000)",
+            )
+            .bind(days as i32)
+        })
+        .await?)
+    }
+
     /// The live identity of a (server, component).
     pub async fn live(&self, a: &RunAddress) -> Result<Option<Identity>, RegistryError> {
         let sql = format!(

@@ -245,6 +245,20 @@ impl JobStore {
         Ok(done.rows_affected())
     }
 
+    /// Deletes finished jobs completed over `days` ago (retention). Returns how many.
+    pub async fn prune_finished(&self, days: u32) -> Result<u64, RegistryError> {
+        Ok(crate::election::store::prune_batches(&self.pool, "retention: prune finished jobs", || {
+            sqlx::query(
+                "DELETE FROM runtime_jobs WHERE id IN (
+                     SELECT id FROM runtime_jobs
+                     WHERE state IN ('succeeded','failed','cancelled') AND completed_at < now() - make_interval(days => $1)
+                     LIMIT 1000)",
+            )
+            .bind(days as i32)
+        })
+        .await?)
+    }
+
     /// Returns claimed or running jobs past their visibility timeout to the queue.
     pub async fn reap(&self) -> Result<u64, RegistryError> {
         let done = sqlx::query(

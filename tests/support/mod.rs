@@ -146,8 +146,9 @@ pub fn install_admission_policy(cp: &ControlPlane) {
     assert!(applied.ok, "apply the admission policy: {}", applied.stderr);
     // Policies take effect asynchronously: probe with server-side dry runs.
     let probe = "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {name: policy-probe, namespace: default}\nspec: {projectId: probe, sessionId: probe, agentSurface: other}\n";
-    // A forged owner must be refused by the ValidatingAdmissionPolicy.
-    let forged = "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {name: policy-probe, namespace: default, annotations: {prism.ntecdev.ai/owner: somebody-else}}\nspec: {projectId: probe, sessionId: probe, agentSurface: other}\n";
+    // The operator's mark must be refused to anybody else by the ValidatingAdmissionPolicy
+    // (a forged owner is overwritten by the mutating policy before validation).
+    let forged = "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {name: policy-probe, namespace: default, annotations: {prism.ntecdev.ai/registered-by: api}}\nspec: {projectId: probe, sessionId: probe, agentSurface: other}\n";
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
         let out = cp

@@ -1,0 +1,174 @@
+//! What `/readyz` and `/metrics` answer, measured in the background and served from
+//! memory (SPEC §12 "Bounded"): those routes need no token, so a request to them must
+//! cost no backend round trip, or a flood of them would be a flood on Postgres, Redis
+//! and the API server. Readiness is probed every `READINESS_EVERY` over the controllers'
+//! Postgres pool (a saturated API pool is no reason to leave the Service); the
+//! cluster-wide gauges are refreshed every `GAUGES_EVERY`, so a scrape is at most that
+//! old.
+
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::db::{QueryError, Step};
+use crate::election::Cause;
+use crate::run_registry::RegistryError;
+use crate::run_registry::service::RunRegistry;
+use crate::telemetry::Metrics;
+
+pub const READINESS_EVERY: Duration = Duration::from_secs(2);
+pub const GAUGES_EVERY: Duration = Duration::from_secs(10);
+/// A readiness snapshot older than this says the prober is stuck: not ready.
+const STALE_AFTER: Duration = Duration::from_secs(15);
+/// One probe's budget (the kubelet's default probe timeout is 1 s; these run apart from
+/// the request, so they may take a little longer, but not hang).
+const PROBE_BUDGET: Duration = Duration::from_secs(3);
+
+/// One dependency's state at the last probe.
+type Check = Result<(), String>;
+
+#[derive(Clone, Debug)]
+struct Readiness {
+    postgres: Check,
+    redis: Check,
+    kubernetes: Check,
+    at: Instant,
+}
+
+/// The last readiness probe, shared by the prober and `/readyz`.
+#[derive(Default)]
+pub struct Health {
+    last: RwLock<Option<Readiness>>,
+}
+
+/// What the background loops probe with.
+pub struct Probes {
+    /// The controllers' pool (not the API's).
+    pub pool: PgPool,
+    pub registry: RunRegistry,
+    pub kube: kube::Client,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Health {
+    /// `/readyz`: (ready, body). Without Postgres or Kubernetes nothing works (not
+    /// ready). Without Redis the runtime registry is unavailable but the controller API
+    /// still is: "degraded", still ready, so Runs get a precise 503 rather than a
+    /// connection error.
+    pub fn readiness(&self) -> (bool, Value) {
+        let last = self.last.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let Some(r) = last.filter(|r| r.at.elapsed() < STALE_AFTER) else {
+            return (
+                false,
+                json!({"status": "unavailable", "message": "dependencies not probed yet (or the prober is stuck)"}),
+            );
+        };
+        let check = |c: &Check| match c {
+            Ok(()) => json!({"status": "ok"}),
+            Err(e) => json!({"status": "unavailable", "message": e}),
+        };
+        let ready = r.postgres.is_ok() && r.kubernetes.is_ok();
+        let status = match (ready, r.redis.is_ok()) {
+            (true, true) => "ready",
+            (true, false) => "degraded",
+            (false, _) => "unavailable",
+        };
+        let body = json!({
+            "status": status,
+            "checked_ms_ago": u64::try_from(r.at.elapsed().as_millis()).unwrap_or(u64::MAX),
+            "checks": {"postgres": check(&r.postgres), "runtime_registry": check(&r.redis), "kubernetes": check(&r.kubernetes)},
+        });
+        (ready, body)
+    }
+
+    fn record(&self, r: Readiness) {
+        *self.last.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(r);
+    }
+}
+
+async fn within<F: std::future::Future<Output = Check>>(probe: F) -> Check {
+    tokio::time::timeout(PROBE_BUDGET, probe)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {} s", PROBE_BUDGET.as_secs())))
+}
+
+/// Probes every dependency at once and records the answer.
+pub async fn probe(health: &Health, p: &Probes) {
+    let (postgres, redis, kubernetes) = tokio::join!(
+        within(async { sqlx::query("SELECT 1").execute(&p.pool).await.map(|_| ()).map_err(|e| e.to_string()) }),
+        within(async { p.registry.sessions.ping().await.map_err(|e| e.to_string()) }),
+        within(async { p.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string()) }),
+    );
+    p.metrics.set_up("postgres", postgres.is_ok());
+    p.metrics.set_up("redis", redis.is_ok());
+    health.record(Readiness { postgres, redis, kubernetes, at: Instant::now() });
+}
+
+/// Starts the two loops (readiness, gauges); they end with the process.
+pub fn spawn(health: Arc<Health>, probes: Arc<Probes>) {
+    let p = probes.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(READINESS_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            probe(&health, &p).await;
+        }
+    });
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(GAUGES_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            refresh_gauges(&probes).await;
+        }
+    });
+}
+
+/// Cluster-wide gauges. A dependency that does not answer is logged and its gauges keep
+/// their last value.
+async fn refresh_gauges(p: &Probes) {
+    if let Err(error) = postgres_gauges(p).await {
+        tracing::warn!(%error, "metrics: Postgres gauges not refreshed");
+    }
+    if let Err(error) = runs_online_gauge(p).await {
+        tracing::warn!(%error, "metrics: runs online not refreshed");
+    }
+}
+
+async fn postgres_gauges(p: &Probes) -> Result<(), QueryError> {
+    let m = &p.metrics;
+    let causes: Vec<(Cause, i64)> =
+        sqlx::query_as("SELECT cause, count(*) FROM controller_election_events GROUP BY cause")
+            .fetch_all(&p.pool)
+            .await
+            .step("metrics: count election events")?;
+    for (cause, n) in causes {
+        m.set_election_events(cause, n);
+    }
+    let roles: Vec<(String, bool, i64)> = sqlx::query_as(
+        "SELECT namespace, is_master, count(*) FROM controller_registrations WHERE released_at IS NULL GROUP BY 1, 2",
+    )
+    .fetch_all(&p.pool)
+    .await
+    .step("metrics: count live registrations")?;
+    m.set_registrations(roles);
+    match p.registry.jobs.queue_depth().await {
+        Ok(n) => m.jobs_queued.set(n),
+        Err(RegistryError::Database(e)) => return Err(e),
+        Err(other) => {
+            tracing::warn!(error = %other, "metrics: queued jobs not counted");
+            0
+        }
+    };
+    Ok(())
+}
+
+async fn runs_online_gauge(p: &Probes) -> Result<(), RegistryError> {
+    let addresses = p.registry.identities.all_addresses().await?;
+    let online = p.registry.sessions.count_live(&addresses).await?;
+    p.metrics.runs_online.set(i64::try_from(online).unwrap_or(i64::MAX));
+    Ok(())
+}
