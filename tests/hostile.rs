@@ -550,12 +550,10 @@ async fn a_read_only_identity_keeps_no_session_alive() {
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
     let reader = support::agent_token(cp, &ns, "dashboard", &["get", "list"]);
     let agent = support::agent_token(cp, &ns, "agent", &ALL);
-    api.create(
-        &PostParams::default(),
-        &support::creg("by-kubectl", "P", "s-k", prism_operator::crd::AgentSurface::Codex),
-    )
-    .await
-    .expect("create");
+    // The agent's own kubectl registration (with the chart's policy it is the agent's).
+    let agent_k = support::api_server_token(cp, &ns, "agent");
+    let out = cp.kubectl_as(&agent_k, &["create", "-f", "-"], Some(&creg_yaml("by-kubectl", &ns, "P", "s-k")));
+    assert!(out.ok, "{}", out.stderr);
     support::role(&api, "by-kubectl", prism_operator::crd::Role::Master, 15).await;
     let heartbeat_of = || async {
         let t: chrono::DateTime<chrono::Utc> =
@@ -590,7 +588,15 @@ async fn a_read_only_identity_keeps_no_session_alive() {
     // The same call by an identity that may heartbeat it does refresh it (the check can fail).
     let (status, _) = get(&op, &agent, &format!("/api/v1/controller/P/status?namespace={ns}&session_id=s-k")).await;
     assert_eq!(status, 200);
-    eventually(5, "the agent's call refreshed it", || async { (heartbeat_of().await > before).then_some(()) }).await;
+    let owner: Option<String> =
+        sqlx::query_scalar("SELECT owner FROM controller_registrations WHERE session_id = 's-k'")
+            .fetch_one(&db.pool)
+            .await
+            .expect("owner");
+    eventually(5, &format!("the agent's call refreshed it (owner {owner:?})"), || async {
+        (heartbeat_of().await > before).then_some(())
+    })
+    .await;
 }
 
 /// #19.5 and #19.6: a token must be made for the operator's audience (one for the API
@@ -813,4 +819,133 @@ async fn releasing_an_old_id_never_deletes_a_new_resource_of_its_name() {
     let now = api.get_opt("reused").await.expect("get").expect("the new resource is still there");
     assert_eq!(now.metadata.uid, second.metadata.uid);
     assert!(now.metadata.deletion_timestamp.is_none(), "and not being deleted");
+}
+
+/// #19.9 (retention): nothing grows without bound. A released registration's resource is
+/// deleted once it is past PRISM_RELEASED_RETENTION_HOURS; released rows whose resource
+/// is gone, election history and nudges past PRISM_HISTORY_RETENTION_DAYS are pruned;
+/// live ones stay.
+#[tokio::test]
+async fn released_resources_and_old_history_are_deleted() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "h-keep").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[("PRISM_RETENTION_INTERVAL_SECONDS", "1")]).await;
+    let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
+    let agent = support::agent_token(cp, &ns, "agent", &ALL);
+    // A session that switches project leaves a Released resource behind.
+    let (_, first) = register(&op, &agent, &ns, "P", "s-move", "codex").await;
+    let old_name = first["registration"]["name"].as_str().expect("name").to_string();
+    assert_eq!(register(&op, &agent, &ns, "Q", "s-move", "codex").await.0, 200);
+    support::role(&api, &old_name, prism_operator::crd::Role::Released, 15).await;
+    assert_eq!(register(&op, &agent, &ns, "P", "s-stays", "cursor").await.0, 200);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(api.get_opt(&old_name).await.expect("get").is_some(), "not before its time");
+
+    sqlx::query("UPDATE controller_registrations SET released_at = now() - interval '25 hours' WHERE name = $1")
+        .bind(&old_name)
+        .execute(&db.pool)
+        .await
+        .expect("age it");
+    eventually(15, "the released resource deleted", || async {
+        api.get_opt(&old_name).await.ok()?.is_none().then_some(())
+    })
+    .await;
+
+    // Past the history retention: the released row, an old history row and an old nudge go.
+    sqlx::query("UPDATE controller_registrations SET released_at = now() - interval '31 days' WHERE name = $1")
+        .bind(&old_name)
+        .execute(&db.pool)
+        .await
+        .expect("age it more");
+    sqlx::query(
+        "INSERT INTO controller_election_events (namespace, project_id, term, cause, created_at)
+         VALUES ($1, 'P', 0, 'elected', now() - interval '40 days')",
+    )
+    .bind(&ns)
+    .execute(&db.pool)
+    .await
+    .expect("old history");
+    sqlx::query("UPDATE nudges SET created_at = now() - interval '40 days'")
+        .execute(&db.pool)
+        .await
+        .expect("old nudge");
+    let count = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.expect("count") }
+    };
+    eventually(15, "old rows pruned", || async {
+        let released = count("SELECT count(*) FROM controller_registrations WHERE released_at IS NOT NULL").await;
+        let old_history =
+            count("SELECT count(*) FROM controller_election_events WHERE created_at < now() - interval '30 days'")
+                .await;
+        let nudges = count("SELECT count(*) FROM nudges").await;
+        (released == 0 && old_history == 0 && nudges == 0).then_some(())
+    })
+    .await;
+    let live = count("SELECT count(*) FROM controller_registrations WHERE released_at IS NULL").await;
+    assert_eq!(live, 2, "live registrations stay");
+    let recent = count("SELECT count(*) FROM controller_election_events").await;
+    assert!(recent >= 2, "recent history stays ({recent})");
+}
+
+/// #19.9 (unauthenticated routes, separate pools): /metrics and /readyz answer from
+/// snapshots without touching a backend per request, and a saturated API pool (every
+/// connection held by a blocked call) does not fail /readyz.
+#[tokio::test]
+async fn health_routes_are_snapshots_and_survive_a_saturated_api_pool() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "h-health").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[("PRISM_API_DB_CONNECTIONS", "1")]).await;
+    let agent = support::agent_token(cp, &ns, "agent", &ALL);
+    eventually(10, "ready", || async {
+        (http().get(op.url("/readyz")).send().await.ok()?.status() == 200).then_some(())
+    })
+    .await;
+    // Scrapes and probes do not reach Postgres: its statement counter does not move.
+    let statements = || async {
+        let n: i64 = sqlx::query_scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(&db.pool)
+            .await
+            .expect("stats");
+        n
+    };
+    let before = statements().await;
+    for _ in 0..50 {
+        assert_eq!(http().get(op.url("/metrics")).send().await.expect("metrics").status(), 200);
+        assert_eq!(http().get(op.url("/readyz")).send().await.expect("readyz").status(), 200);
+    }
+    let after = statements().await;
+    // The background probe (every 2 s) and gauges (every 10 s) run meanwhile, and this
+    // test's own reads count: far fewer than 100 requests' worth.
+    assert!(after - before < 40, "{} transactions for 100 health requests", after - before);
+
+    // Saturate the API pool: hold the project's election lock, so the one API connection
+    // waits inside a register.
+    let mut holder = db.pool.acquire().await.expect("connection");
+    sqlx::query("BEGIN").execute(&mut *holder).await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || 'P', 0))")
+        .bind(&ns)
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    let blocked = tokio::spawn({
+        let (url, agent, ns) = (op.url("/api/v1/controller/register"), agent.clone(), ns.clone());
+        async move {
+            http()
+                .post(url)
+                .bearer_auth(agent)
+                .json(&json!({"namespace": ns, "project_id": "P", "session_id": "s-blocked", "agent_surface": "codex"}))
+                .send()
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let ready = http().get(op.url("/readyz")).send().await.expect("readyz");
+    assert_eq!(ready.status(), 200, "a busy API pool is no reason to leave the Service");
+    sqlx::query("ROLLBACK").execute(&mut *holder).await.expect("rollback");
+    let _ = blocked.await;
 }

@@ -199,7 +199,16 @@ struct FenceArgs {
 }
 
 fn arguments<T: DeserializeOwned>(tool: ToolName, args: Option<JsonObject>) -> Result<T, ApiError> {
-    let value = Value::Object(args.unwrap_or_default());
+    let args = args.unwrap_or_default();
+    // The schemas say every argument is a string or an integer: an optional one is left
+    // out, not sent as null (serde would read null as "absent").
+    if let Some((name, _)) = args.iter().find(|(_, v)| v.is_null()) {
+        return Err(ApiError::invalid(format!(
+            "{}: bad arguments at {name}: null is not allowed (leave the argument out)",
+            tool.as_str()
+        )));
+    }
+    let value = Value::Object(args);
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let at = if path == "." { String::new() } else { format!(" at {path}") };
@@ -458,21 +467,22 @@ impl PrismTools {
             check_identifier("session_id", s, 256)?;
         }
         let namespace = self.authorize(ToolName::Fence, args.namespace, cx).await?;
+        // The term first: a refused call (stale_term) changes nothing, not even a heartbeat.
+        let Some(master) = self.state.agents.fence(&namespace, &args.project_id, args.term).await? else {
+            return Err(ApiError::conflict(
+                "stale_term",
+                format!("term {} is not the current master term of {}", args.term, args.project_id),
+            ));
+        };
         let session = match &args.session_id {
             Some(s) => Some(self.touch(&namespace, s, cx).await?),
             None => None,
         };
-        match self.state.agents.fence(&namespace, &args.project_id, args.term).await? {
-            Some(master) => Ok(Answer {
-                summary: format!("Term {} is the current master term of {}.", args.term, args.project_id),
-                content: json!({"project_id": args.project_id, "term": args.term, "master": master}),
-                session,
-            }),
-            None => Err(ApiError::conflict(
-                "stale_term",
-                format!("term {} is not the current master term of {}", args.term, args.project_id),
-            )),
-        }
+        Ok(Answer {
+            summary: format!("Term {} is the current master term of {}.", args.term, args.project_id),
+            content: json!({"project_id": args.project_id, "term": args.term, "master": master}),
+            session,
+        })
     }
 }
 
