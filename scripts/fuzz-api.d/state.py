@@ -1,0 +1,310 @@
+"""The durable state of a playground, by value: every row of every table of $DATABASE_URL
+and the ControllerRegistrations and RunSessions of the cluster of $KUBECONFIG (metadata
+and spec; not status), so that scripts/fuzz-api can tell whether a refused request wrote
+anything, row counts unchanged or not.
+
+    snap = Durable().snapshot()          # before the request
+    ...                                  # the request
+    changes = diff(snap, Durable().snapshot(), recent_beats)
+
+A snapshot costs one REPEATABLE READ transaction on one connection: one statement that
+digests every table (md5 over its rows in primary-key order), and the rows of only those
+tables whose digest moved since the last snapshot (the rows of the others are the ones
+already read); plus one LIST per resource type on one kept-alive HTTPS connection to the
+API server. Tables are read from the catalogue at every snapshot, so a table or column
+that a later migration adds is covered without a change here.
+
+What may legitimately move while a refused request is in flight, and so is excused (each
+excuse is as narrow as the writer it stands for; see `diff`):
+
+* `controller_registrations.last_heartbeat` of a session that an earlier *accepted* call
+  named: heartbeats are coalesced (SPEC §4 rule 8, src/election/heartbeat.rs), so the
+  UPDATE of an accepted call lands up to one window (250 ms) after its answer, i.e. maybe
+  while the next request, a refused one, is in flight. Only that column, only forwards,
+  only for sessions named by an accepted call in the last `BEAT_WINDOW` seconds; any other
+  row's heartbeat that moves is a write.
+* a `runtime_jobs` row that the job reaper returns to the queue: it was claimed or running
+  with its visibility deadline (`visible_at`) passed by the time of the second snapshot,
+  and only the reaper's columns changed (src/run_registry/jobs.rs `reap`).
+* a resource that was being deleted already (`deletionTimestamp` set before the request):
+  its finalizer (the operator's release of an earlier wrap) removes itself and the API
+  server then drops the object. Only the `finalizers` list may change, or the object go.
+* of every resource: `status` (the controllers' answer, moved by reconciles of earlier
+  writes), `metadata.resourceVersion` (moves with every status write) and
+  `metadata.managedFields` (field ownership bookkeeping that status writes also move; a
+  write to metadata or spec by a refused request shows in the fields themselves, and in
+  `metadata.generation`, which moves with every spec change).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import requests
+import yaml
+
+# Heartbeats of accepted calls named in this many seconds before a snapshot may land in
+# it: the coalescing window (250 ms) plus the UPDATE's own latency, with a margin for a
+# loaded 2-core machine.
+BEAT_WINDOW = 1.5
+# Columns the job reaper writes (src/run_registry/jobs.rs `reap`), and those a job
+# lifecycle with attempts and errors adds to that transition (SPEC §5.1).
+REAPER_COLUMNS = {
+    "state", "claimed_at", "visible_at", "claimed_by_session", "updated_at",
+    "attempts", "last_error", "completed_at",
+}
+# Columns never printed in a change (their values are secrets).
+SECRET_COLUMNS = {"key", "token", "token_hash", "session_token_hash"}
+RESOURCES = [
+    ("prism.ntecdev.ai/v1alpha1", "controllerregistrations"),
+    ("prism.ntecdev.ai/v1alpha1", "runsessions"),
+]
+
+
+@dataclass
+class Snapshot:
+    taken_at: float  # time.monotonic() when it was taken (the moment of its reads)
+    db_now: float  # Postgres' clock then, epoch seconds (for the reaper's deadlines)
+    digests: dict[str, str]
+    rows: dict[str, dict[str, dict[str, Any]]]  # table -> primary key (JSON) -> row
+    resources: dict[str, dict[str, Any]]  # "plural/namespace/name" -> normalized object
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        tables = " ".join(f"{t}={n}" for t, n in sorted(self.counts.items()))
+        return f"{tables} resources={len(self.resources)}"
+
+
+class Kube:
+    """A client of the API server of $KUBECONFIG: enough to LIST two resource types."""
+
+    def __init__(self, kubeconfig: str):
+        cfg = yaml.safe_load(open(kubeconfig))
+        context_name = cfg.get("current-context") or cfg["contexts"][0]["name"]
+        context = next(c["context"] for c in cfg["contexts"] if c["name"] == context_name)
+        cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == context["cluster"])
+        user = next((u["user"] for u in cfg.get("users", []) if u["name"] == context.get("user")), {})
+        base = os.path.dirname(os.path.abspath(kubeconfig))
+        self._tmp = tempfile.TemporaryDirectory(prefix="fuzz-kube-")
+        self.server = cluster["server"].rstrip("/")
+        self.session = requests.Session()
+        # Given with every request: requests lets $REQUESTS_CA_BUNDLE (which .dev/env may
+        # point at the operator's CA) win over a session's own `verify`.
+        self.verify = self._file(cluster, "certificate-authority", base) or not cluster.get(
+            "insecure-skip-tls-verify", False
+        )
+        cert, key = self._file(user, "client-certificate", base), self._file(user, "client-key", base)
+        if cert and key:
+            self.session.cert = (cert, key)
+        if user.get("token"):
+            self.session.headers["Authorization"] = f"Bearer {user['token']}"
+
+    def _file(self, section: dict, name: str, base: str) -> str | None:
+        if section.get(f"{name}-data"):
+            path = os.path.join(self._tmp.name, name)
+            with open(path, "wb") as f:
+                f.write(base64.b64decode(section[f"{name}-data"]))
+            return path
+        if section.get(name):
+            return os.path.join(base, section[name])
+        return None
+
+    def list(self, group_version: str, plural: str) -> list[dict[str, Any]]:
+        r = self.session.get(f"{self.server}/apis/{group_version}/{plural}", timeout=30, verify=self.verify)
+        r.raise_for_status()
+        return r.json().get("items", [])
+
+
+def normalize(obj: dict[str, Any]) -> dict[str, Any]:
+    """A resource without what moves without a write to its metadata or spec (above)."""
+    obj = {k: v for k, v in obj.items() if k != "status"}
+    meta = {k: v for k, v in obj.get("metadata", {}).items() if k not in ("resourceVersion", "managedFields")}
+    obj["metadata"] = meta
+    return obj
+
+
+class Durable:
+    def __init__(self, database_url: str | None = None, kubeconfig: str | None = None):
+        self.database_url = database_url or os.environ["DATABASE_URL"]
+        self.kube = Kube(kubeconfig or os.environ["KUBECONFIG"])
+        self.conn: psycopg.Connection | None = None
+        # table -> (digest, rows) of the last snapshot: rows are re-read only when the
+        # digest moved.
+        self.cache: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
+
+    def _connect(self) -> psycopg.Connection:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(self.database_url, autocommit=True)
+        return self.conn
+
+    def _tables(self, cur) -> dict[str, list[str]]:
+        """Every table of the schema on the search path, with its primary key columns
+        (sqlx's own bookkeeping aside)."""
+        cur.execute(
+            """SELECT c.relname,
+                      coalesce((SELECT array_agg(a.attname ORDER BY k.ord)
+                                FROM pg_index i, unnest(i.indkey) WITH ORDINALITY k(attnum, ord), pg_attribute a
+                                WHERE i.indrelid = c.oid AND i.indisprimary AND a.attrelid = c.oid
+                                  AND a.attnum = k.attnum), '{}')
+               FROM pg_class c
+               WHERE c.relkind IN ('r', 'p') AND c.relnamespace = current_schema()::regnamespace
+                 AND c.relname NOT LIKE '\\_sqlx%'
+               ORDER BY c.relname"""
+        )
+        return {name: list(pk) for name, pk in cur.fetchall()}
+
+    @staticmethod
+    def _key(pk: list[str]) -> str:
+        # The row's identity: its primary key as JSON text (the whole row without one).
+        return "to_jsonb(ARRAY[" + ", ".join(f'"{c}"::text' for c in pk) + "])::text" if pk else "to_jsonb(t)::text"
+
+    def snapshot(self) -> Snapshot:
+        conn = self._connect()
+        with conn.transaction(), conn.cursor() as cur:
+            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            tables = self._tables(cur)
+            parts = [
+                f"""SELECT '{t}', count(*), md5(coalesce(string_agg(md5(to_jsonb(t)::text), '' ORDER BY {self._key(pk)}), ''))
+                    FROM "{t}" t"""
+                for t, pk in tables.items()
+            ]
+            cur.execute(" UNION ALL ".join(parts) + " UNION ALL SELECT '', 0, extract(epoch FROM now())::text")
+            digests, counts, db_now = {}, {}, 0.0
+            for t, n, d in cur.fetchall():
+                if t == "":
+                    db_now = float(d)
+                else:
+                    digests[t], counts[t] = d, n
+            taken_at = time.monotonic()
+            rows = {}
+            for t, pk in tables.items():
+                cached = self.cache.get(t)
+                if cached is None or cached[0] != digests[t]:
+                    cur.execute(f'SELECT {self._key(pk)}, to_jsonb(t) FROM "{t}" t')
+                    cached = (digests[t], {k: r for k, r in cur.fetchall()})
+                    self.cache[t] = cached
+                rows[t] = cached[1]
+        resources = {}
+        for gv, plural in RESOURCES:
+            for obj in self.kube.list(gv, plural):
+                m = obj["metadata"]
+                resources[f"{plural}/{m.get('namespace')}/{m['name']}"] = normalize(obj)
+        return Snapshot(taken_at, db_now, digests, rows, resources, counts)
+
+
+def _changed_columns(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
+    return {c for c in before.keys() | after.keys() if before.get(c) != after.get(c)}
+
+
+def _epoch(ts: Any) -> float | None:
+    """A timestamptz as to_jsonb renders it ("2026-11-30T10:00:00.123456+00:00")."""
+    if not isinstance(ts, str):
+        return None
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(ts).timestamp()
+    except ValueError:
+        return None
+
+
+def _show(table: str, row: dict[str, Any] | None, columns: set[str] | None = None) -> str:
+    if row is None:
+        return "(none)"
+    shown = {c: ("<secret>" if c in SECRET_COLUMNS else v) for c, v in row.items() if columns is None or c in columns}
+    text = json.dumps(shown, sort_keys=True, default=str)
+    return text if len(text) < 600 else text[:600] + "..."
+
+
+def diff(before: Snapshot, after: Snapshot, beats: dict[str, float] | None = None) -> list[str]:
+    """What changed from `before` to `after` that no excuse covers, one line a change.
+    `beats`: session_id -> time.monotonic() of the last accepted call that named the
+    session (its heartbeat may land late, see above). By session id alone: the namespace
+    an MCP call resolves to is the server's to say (argument, header or the caller's own).
+    """
+    beats = beats or {}
+    out: list[str] = []
+    for table in sorted(before.digests.keys() | after.digests.keys()):
+        if before.digests.get(table) == after.digests.get(table):
+            continue
+        b_rows, a_rows = before.rows.get(table, {}), after.rows.get(table, {})
+        for key in sorted(b_rows.keys() | a_rows.keys()):
+            b, a = b_rows.get(key), a_rows.get(key)
+            if b == a:
+                continue
+            if b is None or a is None:
+                out.append(f"{table} {key}: {'inserted' if b is None else 'deleted'}: {_show(table, a or b)}")
+                continue
+            cols = _changed_columns(b, a)
+            if table == "controller_registrations" and cols == {"last_heartbeat"}:
+                # A coalesced heartbeat of an accepted call that named this session.
+                named = beats.get(b.get("session_id"))
+                forwards = (_epoch(a["last_heartbeat"]) or 0) > (_epoch(b["last_heartbeat"]) or 0)
+                if named is not None and named >= before.taken_at - BEAT_WINDOW and forwards:
+                    continue
+            if table == "runtime_jobs" and cols <= REAPER_COLUMNS:
+                # The reaper: in flight, its visibility deadline passed by the second read.
+                deadline = _epoch(b.get("visible_at"))
+                if b.get("state") in ("claimed", "running") and deadline is not None and deadline <= after.db_now:
+                    if a.get("state") in ("queued", "failed"):
+                        continue
+            out.append(f"{table} {key}: {', '.join(sorted(cols))}: {_show(table, b, cols)} -> {_show(table, a, cols)}")
+    for name in sorted(before.resources.keys() | after.resources.keys()):
+        b, a = before.resources.get(name), after.resources.get(name)
+        if b == a:
+            continue
+        if b is not None and b["metadata"].get("deletionTimestamp"):
+            # Being deleted already: its finalizer finishes, then the object goes.
+            if a is None:
+                continue
+            strip = lambda o: {**o, "metadata": {k: v for k, v in o["metadata"].items() if k != "finalizers"}}
+            if strip(a) == strip(b):
+                continue
+        if b is None or a is None:
+            obj = a or b
+            out.append(f"{name}: {'created' if b is None else 'deleted'} (uid {obj['metadata'].get('uid')})")
+            continue
+        fields = sorted(
+            f"{part}.{k}"
+            for part in ("metadata", "spec")
+            for k in (b.get(part, {}) or {}).keys() | (a.get(part, {}) or {}).keys()
+            if (b.get(part) or {}).get(k) != (a.get(part) or {}).get(k)
+        ) or sorted(k for k in b.keys() | a.keys() if b.get(k) != a.get(k))
+        out.append(
+            f"{name}: {', '.join(fields)}: "
+            + "; ".join(f"{f}: {json.dumps(_dig(b, f))} -> {json.dumps(_dig(a, f))}" for f in fields)
+        )
+    return out
+
+
+def _dig(obj: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def session_strings(*values: Any) -> set[str]:
+    """Every string value under a key `session_id` in these (decoded JSON) values: the
+    sessions a request names, whose heartbeat it may be."""
+    found: set[str] = set()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if k == "session_id" and isinstance(x, str):
+                    found.add(x)
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    for v in values:
+        walk(v)
+    return found
