@@ -417,7 +417,10 @@ class Generator:
         props = schema.get("properties", {})
         for name, pool in (("session_id", "sessions"), ("project_id", "projects"), ("term", "terms")):
             if name in props and self.known[pool] and data.draw(st.integers(0, 2), label=f"known {name}") > 0:
-                args[name] = data.draw(st.sampled_from(self.known[pool][-30:]), label=name)
+                # An index with fixed bounds: the pool grows during the run, and Hypothesis
+                # wants the same draws to have the same constraints.
+                recent = self.known[pool][-30:]
+                args[name] = recent[data.draw(st.integers(0, 29), label=name) % len(recent)]
         if "namespace" in props:
             choice = data.draw(st.sampled_from(["omit", "omit", "ours", "generated"]), label="namespace")
             if choice == "omit":
@@ -479,6 +482,8 @@ class Stats:
     classes: collections.Counter = field(default_factory=collections.Counter)  # 2xx/4xx/...
     outcomes: collections.Counter = field(default_factory=collections.Counter)  # result/tool error/...
     refusals_checked: int = 0
+    reproduced: list[dict] = field(default_factory=list)  # candidates that wrote when replayed alone
+    replays: int = 0
     wrote: int = 0
     failures: list[dict] = field(default_factory=list)
 
@@ -497,13 +502,16 @@ class Run:
         self.stats = Stats()
         self.tools: dict[str, dict] = {}
         self.checks = Checks(self.tools)
-        self.known: dict[str, list] = {"sessions": [], "projects": [], "terms": [0, 1]}
+        self.known: dict[str, list] = {"sessions": list(args.known_session), "projects": list(args.known_project),
+                                       "terms": [0, 1]}
         self.gen = Generator(args.namespace, self.known)
         self.beats: dict[str, float] = {}  # session_id -> when an accepted writer call named it
         self.last_refused: tuple[Any, str] | None = None  # (snapshot after, what) of the last refusal
         # The last exchanges (when answered, what, the request): a write seen after a
         # refusal's answer is one of theirs (a coalesced heartbeat lands up to 250 ms late).
-        self.recent: collections.deque = collections.deque(maxlen=6)
+        self.recent: collections.deque = collections.deque(maxlen=8)
+        self.replayed: set = set()  # kinds of exchange replayed alone already
+        self.replay_deadline = time.monotonic() + 10**9  # set in main: replays get a budget
         self.log = open(args.log, "a") if args.log else None
 
     def client(self, identity: str, version: str) -> Client:
@@ -520,7 +528,7 @@ class Run:
             changes = diff(after_prev, before, self.beats)
             if changes:
                 self.stats.wrote += 1
-                self.late(changes, what)
+                self.late(changes, before, what)
             self.last_refused = None
         try:
             a = c.send(req)
@@ -541,32 +549,67 @@ class Run:
         for check, msg in self.checks.run(case, req, a):
             self.fail(check, msg, case, req, a)
         must_not_write = refused or case.identity != "writer"
+        self.recent.append((time.monotonic(), case, req, a, must_not_write, c))
         if must_not_write:
             after = self.durable.snapshot()
             changes = diff(before, after, self.beats)
             self.stats.refusals_checked += 1
             if changes:
                 self.stats.wrote += 1
-                why = "refused" if refused else f"accepted for the {case.identity} identity"
-                self.fail("refused_writes_nothing", f"{why}, but changed: " + " | ".join(changes[:8]), case, req, a)
+                self.wrote(changes, after, "refused" if refused else f"accepted for the {case.identity} identity")
             self.last_refused = (after, f"{case.identity} {case.version} {case.kind} {case.tool or ''}".strip())
         else:
             self.learn(case, a)
         if self.log:
             self.log.write(f"{a.status} {outcome} {case.identity} {case.version} {group} {case.kind} {case.tool or ''}\n")
-        self.recent.append((time.monotonic(), case, req, a))
         return a
 
-    def late(self, changes: list[str], what: str) -> None:
-        """A write that landed after a refusal was answered, before the next request: one
-        of the last refusals wrote late. Reported with the last exchanges as suspects."""
-        suspects = [x for x in self.recent if time.monotonic() - x[0] < 3]
-        last = suspects[-1] if suspects else (0, Case("?", "?", "?"), Request("?", {}, b""), None)
-        self.fail("refused_writes_nothing", f"changed after the answer to a refusal ({what}), before the next "
-                  f"request: " + " | ".join(changes[:8]), last[1], last[2], last[3])
-        self.stats.failures[-1]["suspects"] = [
-            f"{c.identity} {c.version} {c.kind}: {r.show(400)} -> HTTP {a.status} {a.body[:300].decode('utf-8', 'backslashreplace')}"
-            for _, c, r, a in suspects]
+    def late(self, changes: list[str], after: Any, what: str) -> None:
+        """A write that landed after a refusal was answered, before the next request."""
+        self.wrote(changes, after, f"after the answer to a refusal ({what}), before the next request,")
+
+    def wrote(self, changes: list[str], after: Any, why: str) -> None:
+        """Reports a write where none may be. A heartbeat lands up to 250 ms after its
+        call, maybe during a later one: so every exchange of the last 1.5 s that must write
+        nothing is a candidate, and each (one of a kind) is replayed alone at once, while
+        the state is as it was (`replay`), to tell which one wrote."""
+        last = self.recent[-1] if self.recent else (0, Case("?", "?", "?"), Request("?", {}, b""), None, True, None)
+        self.fail("refused_writes_nothing", f"{why} changed: " + " | ".join(changes[:8]), last[1], last[2], last[3])
+        candidates = [x for x in self.recent if x[4] and time.monotonic() - x[0] < 1.5]
+        self.recent.clear()
+        for t, case, req, a, _, client in candidates:
+            sc = (a.result or {}).get("structuredContent") if a else None
+            outcome = (sc or {}).get("error", {}).get("code") if isinstance(sc, dict) and isinstance(sc.get("error"), dict) else a.status if a else None
+            args = sorted(case.arguments) if isinstance(case.arguments, dict) else type_name(case.arguments)
+            sig = (case.identity, case.version == MODERN, case.tool, case.kind if not case.tool else "", outcome, str(args))
+            if sig in self.replayed or time.monotonic() > self.replay_deadline:
+                continue
+            self.replayed.add(sig)
+            self.replay(case, req, client)
+
+    def replay(self, case: Case, req: Request, client: Client) -> None:
+        """One candidate, sent again alone: the state quiet before it (two reads 0.4 s
+        apart agree), read again 0.6 s after its answer (past the coalescing window), with
+        no excuse."""
+        quiet = self.durable.snapshot()
+        for _ in range(10):
+            time.sleep(0.4)
+            now = self.durable.snapshot()
+            if not diff(quiet, now):
+                break
+            quiet = now
+        a = client.send(req)
+        time.sleep(0.6)
+        after = self.durable.snapshot()
+        changes = diff(quiet, after)
+        self.stats.replays += 1
+        if changes:
+            self.stats.reproduced.append({
+                "identity": case.identity, "version": case.version, "kind": case.kind, "tool": case.tool,
+                "request": req.show(2000), "answer": f"HTTP {a.status} {a.body[:700].decode('utf-8', 'backslashreplace')}",
+                "changes": changes[:8],
+            })
+        self.last_refused = None
 
     def learn(self, case: Case, a: Answer) -> None:
         """What an accepted writer call says exists (and which heartbeats it caused)."""
@@ -746,22 +789,27 @@ class Run:
 
     # --- the plan ----------------------------------------------------------------------
 
-    def plan(self) -> list[tuple[str, str, int]]:
-        """(identity, version, examples per tool and validity)."""
+    def plan(self) -> list[tuple[str, str, int, bool]]:
+        """(identity, version, examples per tool and validity, protocol cases too?). The
+        identities that must write nothing at all go first, while the registration made
+        with kubectl has no owner yet (the writer's prism_start on its session adopts it)."""
         n = self.args.examples
-        plan = [("writer", MODERN, n), ("writer", LEGACY[-1], n)]
-        plan += [("writer", v, max(2, n // 10)) for v in LEGACY[:-1]]
-        if self.tokens["reader"]:
-            plan += [("reader", MODERN, max(2, n // 3)), ("reader", LEGACY[-1], max(2, n // 3))]
+        few = max(2, n // 10)
+        plan = [("none", MODERN, max(1, n // 25), True), ("none", LEGACY[-1], 1, False)]
         if self.tokens["norights"]:
-            plan += [("norights", MODERN, max(2, n // 5)), ("norights", LEGACY[-1], max(2, n // 5))]
-        plan += [("none", MODERN, max(1, n // 10)), ("none", LEGACY[-1], max(1, n // 10))]
+            plan += [("norights", MODERN, few, True), ("norights", LEGACY[-1], few, False)]
+        if self.tokens["reader"]:
+            plan += [("reader", MODERN, max(2, n // 5), True), ("reader", LEGACY[-1], max(2, n // 5), True)]
+        plan += [("writer", MODERN, max(2, n // 2), True), ("writer", LEGACY[-1], max(2, n // 2), True)]
+        plan += [("writer", v, few, False) for v in LEGACY[:-1]]
         return plan
 
     def main(self) -> int:
         started = time.monotonic()
+        # Replays of write candidates: at most 90 s in all (they come only with a defect).
+        self.replay_deadline = started + 90
         self.list_tools()
-        for identity, version, n in self.plan():
+        for identity, version, n, protocol in self.plan():
             c = self.client(identity, version)
             opened = c.open()
             if opened is not None:
@@ -776,16 +824,17 @@ class Run:
             for tool in sorted(self.tools):
                 self.fuzz_tool(c, tool, n, valid=True)
                 self.fuzz_tool(c, tool, n, valid=False)
-            if version in (MODERN, LEGACY[-1]):
+            if protocol:
                 self.fuzz_protocol(c)
         # The last refusal's late writes: give the coalescer its window, then look.
         if self.last_refused is not None:
             time.sleep(1.0)
             after_prev, what = self.last_refused
-            changes = diff(after_prev, self.durable.snapshot(), self.beats)
+            now = self.durable.snapshot()
+            changes = diff(after_prev, now, self.beats)
             if changes:
                 self.stats.wrote += 1
-                self.late(changes, what)
+                self.late(changes, now, what)
         return self.report(time.monotonic() - started)
 
     def report(self, seconds: float) -> int:
@@ -797,9 +846,11 @@ class Run:
             f"{', '.join(f'{k}s {v}' for k, v in sorted(s.outcomes.items()))}; 5xx: {s.classes.get('5xx', 0)}; "
             f"failed checks: {len(s.failures)}{' (' + ', '.join(f'{k}: {v}' for k, v in sorted(fails.items())) + ')' if fails else ''}; "
             f"refused (or read-only) calls checked for writes: {s.refusals_checked}, wrote: {s.wrote}")
+        if s.wrote:
+            log(f"writes: {s.wrote} seen; {s.replays} candidate exchanges (one of each kind) replayed alone, {len(s.reproduced)} of them wrote again")
         if self.args.failures:
             with open(self.args.failures, "w") as f:
-                json.dump(s.failures, f, indent=1)
+                json.dump({"failures": s.failures, "reproduced": s.reproduced}, f, indent=1)
         shown: collections.Counter = collections.Counter()
         for f in s.failures:
             key = (f["check"], f.get("kind"), f.get("tool"))
@@ -810,8 +861,11 @@ class Run:
             if f.get("request"):
                 print(f"    as {f['identity']} ({f['version']}), {f['kind']}: {f['request']}", file=sys.stderr)
                 print(f"    answer: {f['answer']}", file=sys.stderr)
-            for x in f.get("suspects", []):
-                print(f"    suspect: {x}", file=sys.stderr)
+
+        for r in s.reproduced:
+            print(f"[fuzz-api] mcp: WROTE when replayed alone, as {r['identity']} ({r['version']}), {r['kind']} {r['tool'] or ''}:\n"
+                  f"    request: {r['request'][:900]}\n    answer: {r['answer'][:500]}\n    changed: {' | '.join(r['changes'])}",
+                  file=sys.stderr)
         hidden = sum(max(0, n - 2) for n in shown.values())
         if hidden:
             print(f"[fuzz-api] mcp: ... and {hidden} more like those (all in {self.args.failures or 'the failures file'})", file=sys.stderr)
@@ -889,6 +943,8 @@ def main() -> int:
     p.add_argument("--examples", type=int, default=50, help="generated calls per tool, identity, version and validity")
     p.add_argument("--seed", type=int, default=random.randrange(1 << 30))
     p.add_argument("--namespace", default="agents", help="the namespace the writer and reader tokens may use")
+    p.add_argument("--known-session", action="append", default=[], help="a session_id that exists (drawn often)")
+    p.add_argument("--known-project", action="append", default=[], help="a project_id that exists (drawn often)")
     p.add_argument("--log", help="append one line per exchange here")
     p.add_argument("--failures", help="write every failure here (JSON)")
     args = p.parse_args()

@@ -39,9 +39,12 @@ excuse is as narrow as the writer it stands for; see `diff`):
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
 import os
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,17 +97,19 @@ class Kube:
         base = os.path.dirname(os.path.abspath(kubeconfig))
         self._tmp = tempfile.TemporaryDirectory(prefix="fuzz-kube-")
         self.server = cluster["server"].rstrip("/")
-        self.session = requests.Session()
+        self.session = requests.Session()  # the caller's thread's (the self-test patches with it)
+        self._local = threading.local()  # a session per LIST thread: requests' are not thread-safe
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[bytes, list]] = {}  # plural -> (answer, its items)
         # Given with every request: requests lets $REQUESTS_CA_BUNDLE (which .dev/env may
         # point at the operator's CA) win over a session's own `verify`.
         self.verify = self._file(cluster, "certificate-authority", base) or not cluster.get(
             "insecure-skip-tls-verify", False
         )
         cert, key = self._file(user, "client-certificate", base), self._file(user, "client-key", base)
-        if cert and key:
-            self.session.cert = (cert, key)
-        if user.get("token"):
-            self.session.headers["Authorization"] = f"Bearer {user['token']}"
+        self.cert = (cert, key) if cert and key else None
+        self.headers = {"Authorization": f"Bearer {user['token']}"} if user.get("token") else {}
+        self.session.cert, self.session.headers = self.cert, {**self.session.headers, **self.headers}
 
     def _file(self, section: dict, name: str, base: str) -> str | None:
         if section.get(f"{name}-data"):
@@ -117,13 +122,31 @@ class Kube:
         return None
 
     def list(self, group_version: str, plural: str) -> list[dict[str, Any]]:
-        r = self.session.get(f"{self.server}/apis/{group_version}/{plural}", timeout=30, verify=self.verify)
+        """Every object, normalized (below): its metadata (PartialObjectMetadataList: half the bytes of the whole
+        objects, and no status to drop). A spec change shows in `metadata.generation`,
+        which the API server raises on every change of anything but metadata and status
+        (both CRDs have the status subresource). An answer byte for byte the same as the
+        last one is not decoded again."""
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+            session.cert, session.headers = self.cert, {**session.headers, **self.headers}
+        r = session.get(f"{self.server}/apis/{group_version}/{plural}", timeout=30, verify=self.verify,
+                        headers={"Accept": "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"})
         r.raise_for_status()
-        return r.json().get("items", [])
+        with self._lock:
+            last = self._last.get(plural)
+            if last is not None and last[0] == r.content:
+                return last[1]
+        items = [normalize(o) for o in r.json().get("items", [])]
+        with self._lock:
+            self._last[plural] = (r.content, items)
+        return items
 
 
 def normalize(obj: dict[str, Any]) -> dict[str, Any]:
-    """A resource without what moves without a write to its metadata or spec (above)."""
+    """A resource without what moves without a write to its metadata or spec (above).
+    (The LIST gives metadata only; `status` is dropped here too for a whole object.)"""
     obj = {k: v for k, v in obj.items() if k != "status"}
     meta = {k: v for k, v in obj.get("metadata", {}).items() if k not in ("resourceVersion", "managedFields")}
     obj["metadata"] = meta
@@ -134,6 +157,7 @@ class Durable:
     def __init__(self, database_url: str | None = None, kubeconfig: str | None = None):
         self.database_url = database_url or os.environ["DATABASE_URL"]
         self.kube = Kube(kubeconfig or os.environ["KUBECONFIG"])
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(RESOURCES))
         self.conn: psycopg.Connection | None = None
         # table -> (digest, rows) of the last snapshot: rows are re-read only when the
         # digest moved.
@@ -166,6 +190,18 @@ class Durable:
         return "to_jsonb(ARRAY[" + ", ".join(f'"{c}"::text' for c in pk) + "])::text" if pk else "to_jsonb(t)::text"
 
     def snapshot(self) -> Snapshot:
+        # The two LISTs run beside the Postgres reads (each waits on I/O): a snapshot costs
+        # the slowest of the three, not their sum.
+        lists = [self.pool.submit(self.kube.list, gv, plural) for gv, plural in RESOURCES]
+        taken_at, db_now, digests, counts, rows = self._tables_snapshot()
+        resources = {}
+        for (gv, plural), listed in zip(RESOURCES, lists):
+            for obj in listed.result():
+                m = obj["metadata"]
+                resources[f"{plural}/{m.get('namespace')}/{m['name']}"] = obj
+        return Snapshot(taken_at, db_now, digests, rows, resources, counts)
+
+    def _tables_snapshot(self):
         conn = self._connect()
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
@@ -191,12 +227,7 @@ class Durable:
                     cached = (digests[t], {k: r for k, r in cur.fetchall()})
                     self.cache[t] = cached
                 rows[t] = cached[1]
-        resources = {}
-        for gv, plural in RESOURCES:
-            for obj in self.kube.list(gv, plural):
-                m = obj["metadata"]
-                resources[f"{plural}/{m.get('namespace')}/{m['name']}"] = normalize(obj)
-        return Snapshot(taken_at, db_now, digests, rows, resources, counts)
+        return taken_at, db_now, digests, counts, rows
 
 
 def _changed_columns(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
@@ -308,3 +339,119 @@ def session_strings(*values: Any) -> set[str]:
     for v in values:
         walk(v)
     return found
+
+
+# --- command line: phase-level comparisons and the self-test of scripts/fuzz-api --------
+
+
+def _save(snap: Snapshot, path: str) -> None:
+    import pickle
+
+    with open(path, "wb") as f:
+        pickle.dump(snap, f)
+
+
+def _load(path: str) -> Snapshot:
+    import pickle
+
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def selftest(url: str, token: str, namespace: str, tag: str) -> list[str]:
+    """Proves the write check can fail on a change of values alone: a granted release of
+    a peer changes its row (released_at, release_reason) and no table's row count; a
+    label on a resource changes its metadata alone; a heartbeat moves last_heartbeat,
+    which only an accepted call naming the session excuses. Returns what went wrong."""
+    verify: Any = os.environ.get("PRISM_CA_CERT") or True
+    http = requests.Session()
+    h = {"Authorization": f"Bearer {token}"}
+    d = Durable()
+    problems: list[str] = []
+
+    def call(method: str, path: str, body: Any = None) -> dict:
+        r = http.request(method, f"{url}/api/v1{path}", json=body, headers=h, timeout=30, verify=verify)
+        if r.status_code != 200:
+            raise SystemExit(f"[fuzz-api] self-test: {method} {path}: HTTP {r.status_code} {r.text[:300]}")
+        return r.json()
+
+    project = f"fuzz-selftest-{tag}"
+    reg = lambda s: call("POST", "/controller/register", {"namespace": namespace, "project_id": project,
+                                                          "session_id": s, "agent_surface": "other"})["registration"]
+    a, b = reg(f"fuzz-selftest-a-{tag}"), reg(f"fuzz-selftest-b-{tag}")
+    time.sleep(0.6)  # the registers' own heartbeats and reconciles settle
+    s1 = d.snapshot()
+    call("POST", f"/controller/{b['id']}/release?namespace={namespace}")
+    for _ in range(50):  # the finalizer lets the resource go
+        s2 = d.snapshot()
+        if not any(k.endswith(f"/{b['name']}") for k in s2.resources):
+            break
+        time.sleep(0.1)
+    changes = diff(s1, s2)
+    if s1.counts != s2.counts:
+        problems.append(f"a peer's release changed row counts {s1.counts} -> {s2.counts}: not a values-only case")
+    if not any(c.startswith(f'controller_registrations ["{b["id"]}"]') and "released_at" in c for c in changes):
+        problems.append(f"a peer's release (row counts unchanged) was not seen by value: {changes}")
+    # Metadata alone: a label on the other registration's resource.
+    path = f"{d.kube.server}/apis/prism.ntecdev.ai/v1alpha1/namespaces/{namespace}/controllerregistrations/{a['name']}"
+    patch = lambda v: d.kube.session.patch(path, data=json.dumps({"metadata": {"labels": {"fuzz-selftest": v}}}),
+                                           headers={"Content-Type": "application/merge-patch+json"},
+                                           timeout=30, verify=d.kube.verify).raise_for_status()
+    s3 = d.snapshot()
+    patch("x")
+    s4 = d.snapshot()
+    if not any("metadata.labels" in c for c in diff(s3, s4)):
+        problems.append(f"a label on a resource was not seen: {diff(s3, s4)}")
+    patch(None)
+    # A heartbeat: seen, unless an accepted call named the session.
+    time.sleep(0.6)
+    s5 = d.snapshot()
+    call("POST", "/controller/heartbeat", {"namespace": namespace, "session_id": a["session_id"]})
+    time.sleep(1.0)
+    s6 = d.snapshot()
+    if not any("last_heartbeat" in c for c in diff(s5, s6)):
+        problems.append(f"a heartbeat was not seen: {diff(s5, s6)}")
+    if diff(s5, s6, {a["session_id"]: time.monotonic()}):
+        problems.append(f"a heartbeat of a session an accepted call named was not excused: {diff(s5, s6, {a['session_id']: time.monotonic()})}")
+    call("POST", f"/controller/{a['id']}/release?namespace={namespace}")
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["snapshot"]:
+        snap = Durable().snapshot()
+        _save(snap, argv[1])
+        print(snap.summary())
+        return 0
+    if argv[:1] == ["diff"]:
+        changes = diff(_load(argv[1]), _load(argv[2]))
+        for c in changes:
+            print(c)
+        return 1 if changes else 0
+    if argv[:1] == ["settle"]:
+        # Until two reads half a second apart agree (at most 15 s): the writes that an
+        # accepted set-up step causes later (reconciles, finalizers, heartbeats) are done.
+        d, deadline = Durable(), time.monotonic() + 15
+        last = d.snapshot()
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = d.snapshot()
+            changes = diff(last, now)
+            if not changes:
+                return 0
+            last = now
+        print("[fuzz-api] the durable state kept changing for 15 s: " + " | ".join(changes[:5]), file=sys.stderr)
+        return 1
+    if argv[:1] == ["selftest"]:
+        problems = selftest(*argv[1:5])
+        for p in problems:
+            print(f"[fuzz-api] self-test: {p}", file=sys.stderr)
+        return 1 if problems else 0
+    print("usage: state.py snapshot FILE | diff FILE FILE | settle | selftest URL TOKEN NAMESPACE TAG", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
