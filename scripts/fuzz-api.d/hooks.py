@@ -12,6 +12,8 @@
   and since a coalesced heartbeat lands up to 250 ms after its answer, what changes
   between a refusal's answer and the next request is that refusal's too ("refusal
   WROTE-LATE" in the log, which fails the run as well).
+- An accepted register's project_id and session_id are printable (`printable_ids`,
+  SPEC §3.1).
 """
 
 import json
@@ -22,7 +24,7 @@ import time
 import schemathesis
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from state import Durable, diff, session_strings  # noqa: E402
+from state import Durable, control_char_fields, diff, session_strings  # noqa: E402
 
 _durable = None
 _before = None
@@ -70,6 +72,19 @@ def after_call(ctx, case, response):
         now = time.monotonic()
         for s in _named(case):
             _beats[s] = now
+
+
+@schemathesis.check
+def printable_ids(ctx, response, case):
+    """SPEC §3.1: a registration's projectId and sessionId are printable (no control
+    characters): a register that takes one is a failure."""
+    if case.path != "/api/v1/controller/register" or not 200 <= response.status_code < 300:
+        return None
+    body = case.body if isinstance(case.body, dict) else {}
+    bad = control_char_fields(body)
+    if bad:
+        raise AssertionError(f"register accepted a control character in {', '.join(bad)}: {json.dumps(body)[:300]}")
+    return None
 
 
 @schemathesis.check

@@ -24,6 +24,8 @@ Checks, on every answer:
                      tool's outputSchema, when it declares one
   tool_error_shape   a tool error has structuredContent {"error": {"code", "message"}}
   invalid_refused    arguments that the tool's own inputSchema rejects are refused
+  printable_ids      prism_start refuses a project_id or session_id with a control
+                     character (SPEC §3.1: printable)
   d6_fields          a successful result of a call naming a session_id carries `role` and
                      `you_were_preempted` at the top of structuredContent (SPEC §9)
   schemas_valid      tools/list gives every tool a name and valid JSON Schemas
@@ -57,7 +59,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from state import Durable, diff, session_strings  # noqa: E402
+from state import Durable, control_char_fields, diff, session_strings  # noqa: E402
 
 LEGACY = ["2025-03-26", "2025-06-18", "2025-11-25"]
 MODERN = "2026-07-28"
@@ -277,6 +279,11 @@ class Checks:
             out.append(
                 ("invalid_refused", f"{case.tool} accepted arguments its inputSchema rejects ({case.kind})")
             )
+        if case.tool == "prism_start" and isinstance(case.arguments, dict):
+            # SPEC §3.1: projectId and sessionId are printable, no control characters.
+            bad = control_char_fields(case.arguments)
+            if bad:
+                out.append(("printable_ids", f"prism_start accepted a control character in {', '.join(bad)} (SPEC §3.1: printable)"))
         if tool and tool.get("outputSchema"):
             problems = schema_errors(tool["outputSchema"], sc)
             if problems:
@@ -484,6 +491,7 @@ class Stats:
     refusals_checked: int = 0
     reproduced: list[dict] = field(default_factory=list)  # candidates that wrote when replayed alone
     replays: int = 0
+    resent: int = 0
     wrote: int = 0
     failures: list[dict] = field(default_factory=list)
 
@@ -531,7 +539,13 @@ class Run:
                 self.late(changes, before, what)
             self.last_refused = None
         try:
-            a = c.send(req)
+            try:
+                a = c.send(req)
+            except requests.ConnectionError:
+                # The server may close a kept-alive connection that sat idle (the replays
+                # below pause a client for seconds): sent again once, on a new connection.
+                self.stats.resent += 1
+                a = c.send(req)
         except requests.RequestException as e:
             self.stats.cases[group] += 1
             self.fail("transport", f"{type(e).__name__}: {e}", case, req, None)
@@ -845,7 +859,8 @@ class Run:
             f"answers: {', '.join(f'{k} {v}' for k, v in sorted(s.classes.items()))}; "
             f"{', '.join(f'{k}s {v}' for k, v in sorted(s.outcomes.items()))}; 5xx: {s.classes.get('5xx', 0)}; "
             f"failed checks: {len(s.failures)}{' (' + ', '.join(f'{k}: {v}' for k, v in sorted(fails.items())) + ')' if fails else ''}; "
-            f"refused (or read-only) calls checked for writes: {s.refusals_checked}, wrote: {s.wrote}")
+            f"refused (or read-only) calls checked for writes: {s.refusals_checked}, wrote: {s.wrote}"
+            f"{f'; {s.resent} sent again after the server closed an idle connection' if s.resent else ''}")
         if s.wrote:
             log(f"writes: {s.wrote} seen; {s.replays} candidate exchanges (one of each kind) replayed alone, {len(s.reproduced)} of them wrote again")
         if self.args.failures:
@@ -893,6 +908,8 @@ def selftest(run: Run) -> int:
         "tool_error_shape": (ok_case, Answer(200, j, b"{}", rpc(result={"content": [], "isError": True, "structuredContent": {"error": {"code": 5}}}))),
         "invalid_refused": (Case("writer", MODERN, "wrong_type", "t", {}, False), Answer(200, j, b"{}", rpc(result={"content": [], "structuredContent": {"must": 1}}))),
         "d6_fields": (ok_case, Answer(200, j, b"{}", rpc(result={"content": [], "structuredContent": {"must": 1}}))),
+        "printable_ids": (Case("writer", MODERN, "control_chars", "prism_start", {"project_id": "a\x7fb"}, True),
+                          Answer(200, j, b"{}", rpc(result={"content": [], "structuredContent": {}}))),
         "host_before_token": (Case("none", MODERN, "host_Host=evil"), Answer(401, {"www-authenticate": 'Bearer realm="prism"'}, b"", None)),
     }
     proven = 0

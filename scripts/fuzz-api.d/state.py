@@ -138,7 +138,7 @@ class Kube:
             last = self._last.get(plural)
             if last is not None and last[0] == r.content:
                 return last[1]
-        items = [normalize(o) for o in r.json().get("items", [])]
+        items = [normalize(o) for o in r.json().get("items") or []]
         with self._lock:
             self._last[plural] = (r.content, items)
         return items
@@ -158,6 +158,7 @@ class Durable:
         self.database_url = database_url or os.environ["DATABASE_URL"]
         self.kube = Kube(kubeconfig or os.environ["KUBECONFIG"])
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(RESOURCES))
+        self._last = None  # (WAL insert position, the snapshot's table part) of the last read
         self.conn: psycopg.Connection | None = None
         # table -> (digest, rows) of the last snapshot: rows are re-read only when the
         # digest moved.
@@ -203,6 +204,20 @@ class Durable:
 
     def _tables_snapshot(self):
         conn = self._connect()
+        # Postgres writes WAL for every change of a (logged) table: if its insert position
+        # has not moved since the last snapshot, that snapshot's rows are today's, and the
+        # digests need not be computed again. Read before the transaction's snapshot is
+        # taken, so that the rows read are at least as new as the position.
+        lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
+        if self._last is not None and self._last[0] == lsn:
+            _, mono, db_now, digests, counts, rows = self._last
+            now = time.monotonic()
+            return now, db_now + (now - mono), digests, counts, rows
+        result = self._read_tables(conn)
+        self._last = (lsn, *result)
+        return result
+
+    def _read_tables(self, conn):
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             tables = self._tables(cur)
@@ -321,6 +336,16 @@ def _dig(obj: dict[str, Any], path: str) -> Any:
     return obj
 
 
+def control_char_fields(args: Any, fields: tuple[str, ...] = ("project_id", "session_id")) -> list[str]:
+    """Those of `fields` in `args` that hold a control character (Unicode category Cc:
+    C0, DEL, C1). SPEC §3.1: a registration's projectId and sessionId are printable."""
+    import unicodedata
+
+    if not isinstance(args, dict):
+        return []
+    return [f for f in fields if isinstance(args.get(f), str) and any(unicodedata.category(c) == "Cc" for c in args[f])]
+
+
 def session_strings(*values: Any) -> set[str]:
     """Every string value under a key `session_id` in these (decoded JSON) values: the
     sessions a request names, whose heartbeat it may be."""
@@ -375,6 +400,12 @@ def selftest(url: str, token: str, namespace: str, tag: str) -> list[str]:
             raise SystemExit(f"[fuzz-api] self-test: {method} {path}: HTTP {r.status_code} {r.text[:300]}")
         return r.json()
 
+    # The printable check (hooks.py, mcp.py) fails on what SPEC §3.1 forbids.
+    for bad in ("a\x01b", "a\x7fb", "a\x85b"):
+        if control_char_fields({"project_id": bad}) != ["project_id"]:
+            problems.append(f"the printable check passes project_id {bad!r}")
+    if control_char_fields({"project_id": "PID-1 é", "session_id": "7f6c"}):
+        problems.append("the printable check fails a printable project_id")
     project = f"fuzz-selftest-{tag}"
     reg = lambda s: call("POST", "/controller/register", {"namespace": namespace, "project_id": project,
                                                           "session_id": s, "agent_surface": "other"})["registration"]
