@@ -546,15 +546,25 @@ class Run:
                 # below pause a client for seconds): sent again once, on a new connection.
                 self.stats.resent += 1
                 a = c.send(req)
+        except requests.ConnectionError as e:
+            if len(req.body or b"") <= MAX_BODY:
+                self.stats.cases[group] += 1
+                self.fail("transport", f"{type(e).__name__}: {e}", case, req, None)
+                return Answer(0, {}, b"")
+            # A body over the limit: the server may answer 413 and close before reading it
+            # all, and the client, still sending, may see only the close (through a TLS
+            # proxy it does). A refusal all the same; its writes are checked below.
+            a = Answer(0, {}, b"")
         except requests.RequestException as e:
             self.stats.cases[group] += 1
             self.fail("transport", f"{type(e).__name__}: {e}", case, req, None)
             return Answer(0, {}, b"")
         self.stats.cases[group] += 1
-        self.stats.classes[f"{a.status // 100}xx"] += 1
-        refused = a.status >= 400 or a.rpc_error is not None or (a.result or {}).get("isError") is True
+        self.stats.classes[f"{a.status // 100}xx" if a.status else "closed"] += 1
+        refused = a.status == 0 or a.status >= 400 or a.rpc_error is not None or (a.result or {}).get("isError") is True
         outcome = (
-            "tool error" if (a.result or {}).get("isError") is True
+            "closed connection" if a.status == 0
+            else "tool error" if (a.result or {}).get("isError") is True
             else "JSON-RPC error" if a.rpc_error is not None
             else "HTTP error" if a.status >= 400
             else "result"
