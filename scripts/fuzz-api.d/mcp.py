@@ -30,6 +30,10 @@ Checks, on every answer:
                      `you_were_preempted` at the top of structuredContent (SPEC §9)
   schemas_valid      tools/list gives every tool a name and valid JSON Schemas
   host_before_token  a bad Host/Origin is 403, whatever the token (SPEC §9)
+  foreign_session    another identity's Mcp-Session-Id is 404 (README: never its facts)
+  initialize         initialize gives a token the server takes an Mcp-Session-Id, and is
+                     401 without a token
+  tools_list         both generations list the same tools
 
 A self-test first feeds every check a deliberately bad case and fails unless each check
 fails on it (and the write check sees a real granted write).
@@ -224,6 +228,8 @@ class Checks:
         out += self.jsonrpc_shape(req, a)
         if case.kind.startswith("host") and a.status != 403:
             out.append(("host_before_token", f"a bad Host/Origin answered {a.status}, not 403"))
+        if case.kind == "foreign_session" and case.identity != "none" and a.status != 404:
+            out.append(("foreign_session", f"another identity's Mcp-Session-Id answered {a.status}, not 404"))
         result = a.result
         if case.tool and result is not None and "content" in result:
             out += self.tool_result(case, result)
@@ -291,6 +297,25 @@ class Checks:
         if isinstance(case.arguments, dict) and isinstance(case.arguments.get("session_id"), str):
             if not (isinstance(sc, dict) and "role" in sc and "you_were_preempted" in sc):
                 out.append(("d6_fields", "a result of a call naming a session_id lacks role / you_were_preempted"))
+        return out
+
+    @staticmethod
+    def tools_list(legacy: list[Any], modern: list[Any]) -> list[tuple[str, str]]:
+        """Both generations list the same tools."""
+        if sorted(map(str, legacy)) != sorted(map(str, modern)):
+            return [("tools_list", f"{LEGACY[-1]} lists {sorted(map(str, legacy))}, {MODERN} lists {sorted(map(str, modern))}")]
+        return []
+
+    @staticmethod
+    def initialize(identity: str, a: Answer) -> list[tuple[str, str]]:
+        """initialize: a session id for a token the server takes, 401 without one."""
+        out = []
+        if a.status >= 500:
+            out.append(("no_5xx", f"initialize answered {a.status}"))
+        if identity == "none" and a.status != 401:
+            out.append(("initialize", f"initialize without a token answered {a.status}, not 401"))
+        if identity != "none" and not (a.status == 200 and a.headers.get("mcp-session-id")):
+            out.append(("initialize", f"no Mcp-Session-Id after initialize (HTTP {a.status})"))
         return out
 
     @staticmethod
@@ -675,10 +700,9 @@ class Run:
         legacy.open()
         req = legacy.rpc_request("tools/list", {})
         a = self.exchange(legacy, Case("writer", LEGACY[-1], "tools/list"), req, "tools/list")
-        names = sorted(t.get("name") for t in (a.result or {}).get("tools") or [] if isinstance(t, dict))
-        if names != sorted(self.tools):
-            self.fail("tools_list", f"{LEGACY[-1]} lists {names}, {MODERN} lists {sorted(self.tools)}",
-                      Case("writer", LEGACY[-1], "tools/list"), req, a)
+        names = [t.get("name") for t in (a.result or {}).get("tools") or [] if isinstance(t, dict)]
+        for check, msg in Checks.tools_list(names, list(self.tools)):
+            self.fail(check, msg, Case("writer", LEGACY[-1], "tools/list"), req, a)
         declared = sum(1 for t in self.tools.values() if t.get("outputSchema"))
         log(f"tools/list: {len(self.tools)} tools ({', '.join(sorted(self.tools))}); {declared} declare an outputSchema")
 
@@ -806,10 +830,7 @@ class Run:
             h = c.headers("tools/call", "prism_status")
             h["Mcp-Session-Id"] = other.session_id or ""
             body = json.dumps(c.message("tools/call", {"name": "prism_status", "arguments": {"project_id": "p"}})).encode()
-            a = self.exchange(c, Case(c.identity, c.version, "foreign_session"), Request("POST", h, body), "protocol")
-            if c.token and a.status != 404:
-                self.fail("foreign_session", f"another identity's Mcp-Session-Id answered {a.status}, not 404",
-                          Case(c.identity, c.version, "foreign_session"), Request("POST", h, body), a)
+            self.exchange(c, Case(c.identity, c.version, "foreign_session"), Request("POST", h, body), "protocol")
 
     # --- the plan ----------------------------------------------------------------------
 
@@ -830,8 +851,8 @@ class Run:
 
     def main(self) -> int:
         started = time.monotonic()
-        # Replays of write candidates: at most 90 s in all (they come only with a defect).
-        self.replay_deadline = started + 90
+        # Replays of write candidates: at most 60 s in all (they come only with a defect).
+        self.replay_deadline = started + 60
         self.list_tools()
         for identity, version, n, protocol in self.plan():
             c = self.client(identity, version)
@@ -839,12 +860,8 @@ class Run:
             if opened is not None:
                 self.stats.cases["initialize"] += 1
                 self.stats.classes[f"{opened.status // 100}xx"] += 1
-                if opened.status >= 500:
-                    self.fail("no_5xx", f"initialize answered {opened.status}", Case(identity, version, "initialize"),
-                              Request("POST", {}, b"initialize"), opened)
-                if identity != "none" and not c.session_id:
-                    self.fail("initialize", f"no Mcp-Session-Id after initialize (HTTP {opened.status})",
-                              Case(identity, version, "initialize"), Request("POST", {}, b"initialize"), opened)
+                for check, msg in Checks.initialize(identity, opened):
+                    self.fail(check, msg, Case(identity, version, "initialize"), Request("POST", {}, b"initialize"), opened)
             for tool in sorted(self.tools):
                 self.fuzz_tool(c, tool, n, valid=True)
                 self.fuzz_tool(c, tool, n, valid=False)
@@ -929,10 +946,25 @@ def selftest(run: Run) -> int:
             log(f"self-test: the {name} check did not fail on its bad case (it reported {got})")
             return -1
         proven += 1
-    if "schemas_valid" not in [c for c, _ in Checks.schemas([{"name": "x", "inputSchema": {"type": "object", "properties": 5}}])]:
-        log("self-test: the schemas_valid check did not fail on an invalid schema")
-        return -1
-    proven += 1
+    bad.update({
+        "foreign_session": (Case("reader", LEGACY[-1], "foreign_session"), Answer(200, j, b"{}", rpc(result={}))),
+    })
+    for name in ("foreign_session",):
+        case, answer = bad[name]
+        if name not in [c for c, _ in checks.run(case, req, answer)]:
+            log(f"self-test: the {name} check did not fail on its bad case")
+            return -1
+        proven += 1
+    for name, got in [
+        ("schemas_valid", Checks.schemas([{"name": "x", "inputSchema": {"type": "object", "properties": 5}}])),
+        ("tools_list", Checks.tools_list(["a", "b"], ["a"])),
+        ("initialize", Checks.initialize("writer", Answer(200, j, b"{}", {}))),
+        ("initialize", Checks.initialize("none", Answer(200, j, b"{}", {}))),
+    ]:
+        if name not in [c for c, _ in got]:
+            log(f"self-test: the {name} check did not fail on its bad case")
+            return -1
+        proven += 1
     # A real write, through /mcp, as the writer: the write check must see it.
     c = run.client("writer", MODERN)
     project = f"PID-FUZZ-SELFTEST-{run.args.seed}"
