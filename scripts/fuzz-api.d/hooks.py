@@ -82,7 +82,7 @@ def printable_ids(ctx, response, case):
         return None
     body = case.body if isinstance(case.body, dict) else {}
     bad = control_char_fields(body)
-    _log(f"printable {'BAD' if bad else 'clean'}")
+    _log(f"printable {'BAD ' + json.dumps(body)[:400] if bad else 'clean'}")
     if bad:
         raise AssertionError(f"register accepted a control character in {', '.join(bad)}: {json.dumps(body)[:300]}")
     return None
