@@ -7,12 +7,15 @@ anything, row counts unchanged or not.
     ...                                  # the request
     changes = diff(snap, Durable().snapshot(), recent_beats)
 
-A snapshot costs one REPEATABLE READ transaction on one connection: one statement that
-digests every table (md5 over its rows in primary-key order), and the rows of only those
-tables whose digest moved since the last snapshot (the rows of the others are the ones
-already read); plus one LIST per resource type on one kept-alive HTTPS connection to the
-API server. Tables are read from the catalogue at every snapshot, so a table or column
-that a later migration adds is covered without a change here.
+A snapshot costs, on one Postgres connection, the WAL insert position (one statement:
+while it stands still nothing was written and the last snapshot's rows stand); when it
+moved, one REPEATABLE READ transaction: one statement that digests every table (md5 over
+its rows in primary-key order), and the rows of only those tables whose digest moved
+(the rows of the others are the ones already read). Beside it, one LIST per resource
+type (metadata only), each in a thread of its own on a kept-alive HTTPS connection to the
+API server, decoded only when its bytes changed. About 8 ms while nothing moves. Tables
+and columns are read from the catalogue at every full read, so a table or column that a
+later migration adds is covered without a change here.
 
 What may legitimately move while a refused request is in flight, and so is excused (each
 excuse is as narrow as the writer it stands for; see `diff`):
@@ -483,6 +486,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))
