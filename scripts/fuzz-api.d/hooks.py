@@ -3,38 +3,42 @@
 - Every answer's status is appended to $FUZZ_LOG ("status METHOD path"), for the counts
   the script prints.
 - A refused request writes nothing (SPEC §6: bad input "changes nothing"): before every
-  call the rows of every durable table are counted; after a 4xx answer they are counted
-  again and must be the same, or the check `refused_request_writes_nothing` fails. The
-  counts come from one query on one connection to $DATABASE_URL; the run uses one
-  worker, so no other request of the fuzzer's writes in between.
+  call the durable state is read by value (state.py: a digest of every row of every
+  table, and the metadata and spec of every ControllerRegistration and RunSession); after
+  a 4xx answer it is read again and must be the same, but for what state.py excuses
+  (the late heartbeat of a session an earlier accepted call named, the job reaper, a
+  finalizer finishing an earlier delete), or the check `refused_request_writes_nothing`
+  fails. The run uses one worker, so no other request of the fuzzer's writes in between;
+  and since a coalesced heartbeat lands up to 250 ms after its answer, what changes
+  between a refusal's answer and the next request is that refusal's too ("refusal
+  WROTE-LATE" in the log, which fails the run as well).
+- An accepted register's project_id and session_id are printable (`printable_ids`,
+  SPEC §3.1).
 """
 
+import json
 import os
+import sys
+import time
 
-import psycopg
 import schemathesis
 
-TABLES = [
-    "controller_projects",
-    "controller_registrations",
-    "controller_election_events",
-    "nudges",
-    "run_identities",
-    "runtime_jobs",
-    "mcp_session_key",
-]
-QUERY = "SELECT " + ", ".join(f"(SELECT count(*) FROM {t})" for t in TABLES)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from state import Durable, control_char_fields, diff, session_strings  # noqa: E402
 
+_durable = None
 _before = None
-_conn = None
+# session_id -> when an accepted request named it (its heartbeat may land later).
+_beats = {}
+# (snapshot after, "METHOD path") of the last refusal, until the next request.
+_last_refusal = None
 
 
-def counts():
-    global _conn
-    if _conn is None or _conn.closed:
-        _conn = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
-    row = _conn.execute(QUERY).fetchone()
-    return dict(zip(TABLES, row))
+def durable():
+    global _durable
+    if _durable is None:
+        _durable = Durable()
+    return _durable
 
 
 def _log(line):
@@ -44,25 +48,61 @@ def _log(line):
             f.write(line + "\n")
 
 
+def _named(case):
+    body = case.body if isinstance(case.body, (dict, list)) else None
+    return session_strings(body, dict(case.query or {}))
+
+
 @schemathesis.hook
 def before_call(ctx, case, **kwargs):
-    global _before
-    _before = counts()
+    global _before, _last_refusal
+    _before = durable().snapshot()
+    if _last_refusal is not None:
+        after, what = _last_refusal
+        _last_refusal = None
+        changes = diff(after, _before, _beats)
+        if changes:
+            _log(f"refusal WROTE-LATE {what}: " + " | ".join(changes[:8]))
 
 
 @schemathesis.hook
 def after_call(ctx, case, response):
     _log(f"{response.status_code} {case.method} {case.path}")
+    if 200 <= response.status_code < 300:
+        now = time.monotonic()
+        for s in _named(case):
+            _beats[s] = now
+
+
+@schemathesis.check
+def printable_ids(ctx, response, case):
+    """SPEC §3.1: a registration's projectId and sessionId are printable (no control
+    characters): a register that takes one is a failure."""
+    if case.path != "/api/v1/controller/register" or not 200 <= response.status_code < 300:
+        return None
+    body = case.body if isinstance(case.body, dict) else {}
+    bad = control_char_fields(body)
+    _log(f"printable {'BAD ' + json.dumps(body)[:400] if bad else 'clean'}")
+    if bad:
+        raise AssertionError(f"register accepted a control character in {', '.join(bad)}: {json.dumps(body)[:300]}")
+    return None
 
 
 @schemathesis.check
 def refused_request_writes_nothing(ctx, response, case):
-    """A 4xx answer left every durable table as it was."""
+    """A 4xx answer left every durable row and resource as it was."""
+    global _last_refusal
     if not 400 <= response.status_code < 500 or _before is None:
         return None
-    after = counts()
-    changed = {t: (_before[t], after[t]) for t in TABLES if _before[t] != after[t]}
-    _log(f"refusal {'WROTE' if changed else 'clean'} {response.status_code} {case.method} {case.path}")
-    if changed:
-        raise AssertionError(f"refused with {response.status_code} but rows changed (before, after): {changed}")
+    after = durable().snapshot()
+    changes = diff(_before, after, _beats)
+    what = f"{response.status_code} {case.method} {case.path}"
+    _last_refusal = (after, what)
+    _log(f"refusal {'WROTE' if changes else 'clean'} {what}")
+    if changes:
+        sent = {"query": case.query, "body": case.body if isinstance(case.body, (dict, list, str)) else repr(case.body)}
+        raise AssertionError(
+            f"refused with {response.status_code} but changed: " + " | ".join(changes[:8])
+            + f"\nrequest: {case.method} {case.formatted_path} {json.dumps(sent, default=str)[:600]}"
+        )
     return None
