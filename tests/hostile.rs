@@ -205,8 +205,6 @@ async fn refused_and_concurrent_registers_leave_nothing_behind() {
         return;
     }
     created.expect("create");
-    support::wait_for(&api, "orphan", 15, "Registering", |o| ready_reason(o).is_some_and(|(_, r)| r == "Registering"))
-        .await;
     tokio::time::sleep(Duration::from_secs(6)).await;
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE session_id = 's-orphan'")
         .fetch_one(&db.pool)

@@ -211,10 +211,10 @@ async fn apply(
                 delete_orphan(api, obj).await?;
                 return Ok(Action::await_change());
             }
-            Found::Unused {
-                reason: "Registering",
-                message: "created through the API; waiting for its registration".to_string(),
-            }
+            // No status write meanwhile: the API's own call announces the row within
+            // milliseconds, and a "waiting" status would cost the API server a write
+            // per registration made through the API.
+            return Ok(Action::requeue(Duration::from_secs(5)));
         }
         None => {
             let new = NewRegistration {
@@ -261,13 +261,11 @@ async fn apply(
     };
     write_status(api, &ctx.recorder, &ctx.written_registrations, obj, &previous, &next).await?;
 
-    Ok(match (&found, next.role) {
-        // The API's row comes within its call, or the grace ends.
-        (Found::Unused { reason: "Registering", .. }, _) => Action::requeue(Duration::from_secs(5)),
+    Ok(match next.role {
         // Live registrations come back to refresh lastHeartbeat and the Stale condition.
-        (_, Role::Master | Role::Peer) => Action::requeue(next_slot(ctx.status_heartbeat, id, now)),
-        (_, Role::Pending) => Action::requeue(Duration::from_secs(60)),
-        (_, Role::Released) => Action::await_change(),
+        Role::Master | Role::Peer => Action::requeue(next_slot(ctx.status_heartbeat, id, now)),
+        Role::Pending => Action::requeue(Duration::from_secs(60)),
+        Role::Released => Action::await_change(),
     })
 }
 
