@@ -217,58 +217,10 @@ async fn refused_and_concurrent_registers_leave_nothing_behind() {
     .await;
 }
 
-/// A World of Runs: a private Redis (paused and flushed by the tests), the operator, a
-/// RunSession API in the test's namespace.
-struct Runs {
-    db: TestDb,
-    redis: PrivateRedis,
-    op: Operator,
-    api: Api<RunSession>,
-}
+type Runs = support::runs::RunWorld;
 
 async fn runs(hint: &str, env: &[(&str, &str)]) -> Runs {
-    let cp = control_plane();
-    let client = cp.client().await;
-    let ns = support::namespace(&client, hint).await;
-    let db = TestDb::new().await;
-    let redis = PrivateRedis::start();
-    let prefix = support::redis_prefix();
-    let mut all = vec![("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_PREFIX", prefix.as_str())];
-    all.extend_from_slice(env);
-    let op = Operator::start(cp, &db.url, &ns, &all).await;
-    Runs { db, redis, op, api: Api::namespaced(client, &ns) }
-}
-
-impl Runs {
-    async fn run(&self, name: &str, server: &str) -> RunClient {
-        self.run_with_key(name, server).await.0
-    }
-
-    /// A RunSession with a fresh key of generation 1, its Run's client, and the key.
-    async fn run_with_key(&self, name: &str, server: &str) -> (RunClient, ed25519_dalek::SigningKey) {
-        let key = support::create_run_session(&self.api, name, server, None).await;
-        eventually(10, "identity mirrored", || async {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM run_identities WHERE server_instance_id = $1 AND revoked_at IS NULL",
-            )
-            .bind(server)
-            .fetch_one(&self.db.pool)
-            .await
-            .ok()?;
-            (n == 1).then_some(())
-        })
-        .await;
-        (RunClient::new(&self.op.base, server, "run", 1, key.clone()), key)
-    }
-
-    /// Pauses every write to Redis (scripts included) for `ms`: the Redis writes the
-    /// operator makes meanwhile fail (their 2 s timeout), as a flaky Redis fails them.
-    fn pause_writes(&self, ms: u64) {
-        for port in self.redis.masters() {
-            let out = support::redis_cli(port, &["CLIENT", "PAUSE", &ms.to_string(), "WRITE"]);
-            assert_eq!(out.trim(), "OK", "CLIENT PAUSE on {port}");
-        }
-    }
+    Runs::start(hint, env).await
 }
 
 fn refusal(e: &run_client::ClientError) -> &str {
@@ -287,7 +239,7 @@ async fn no_old_key_authorizes_anything_within_5_s_of_a_rotation_or_deletion() {
         ("PRISM_UNAUTHENTICATED_BURST", "1000"),
     ];
     let w = runs("h-revoke", &unlimited).await;
-    let (mut first, key) = w.run_with_key("r", "srv-r").await;
+    let (mut first, key) = w.run_with_key("r", "srv-r", None).await;
     first.hello().await.expect("hello");
 
     // Twelve Runs with the generation-1 key say hello again and again while the
@@ -375,7 +327,7 @@ async fn no_old_key_authorizes_anything_within_5_s_of_a_rotation_or_deletion() {
 
     // A deletion whose Redis write fails: the finalizer keeps at it.
     let w2 = runs("h-revoke-del", &[]).await;
-    let mut run = w2.run("d", "srv-d").await;
+    let mut run = w2.run("d", "srv-d", None).await;
     run.hello().await.expect("hello");
     w2.pause_writes(3000);
     w2.api.delete("d", &DeleteParams::default()).await.expect("delete");
@@ -394,7 +346,7 @@ async fn no_old_key_authorizes_anything_within_5_s_of_a_rotation_or_deletion() {
 #[tokio::test]
 async fn a_hello_cannot_be_replayed_after_redis_forgets_its_nonces() {
     let w = runs("h-replay", &[]).await;
-    let run = w.run("r", "srv-replay").await;
+    let run = w.run("r", "srv-replay", None).await;
     let now = chrono::Utc::now().timestamp();
     let earlier = run.hello_body(now - 60, "earlier-nonce-000001");
     let signed = run.hello_body(now, "captured-nonce-00001");
@@ -692,7 +644,7 @@ async fn a_flood_of_random_tokens_or_hellos_is_rate_limited() {
 
     // Hellos of one identity: 1/s with a burst of 10 (the defaults).
     let w = runs("h-rate-hello", &[]).await;
-    let mut run = w.run("r", "srv-rate").await;
+    let mut run = w.run("r", "srv-rate", None).await;
     let mut refused = 0;
     for _ in 0..20 {
         match run.hello().await {

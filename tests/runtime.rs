@@ -7,57 +7,27 @@ mod support;
 use std::time::{Duration, Instant};
 
 use ed25519_dalek::SigningKey;
-use kube::Api;
+
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use prism_operator::crd::{RunCredential, RunPhase, RunSession, RunSessionSpec, UnavailableReason};
 use prism_operator::run_client::{self, RunClient};
 use prism_operator::run_registry::jobs::JobState;
 use serde_json::{Value, json};
-use support::{Operator, PrivateRedis, TestDb, control_plane, eventually, phase};
+use support::{Operator, TestDb, eventually, phase};
 
-struct World {
-    cp: &'static support::ControlPlane,
-    client: kube::Client,
-    ns: String,
-    db: TestDb,
-    redis: PrivateRedis,
-    prefix: String,
-    op: Operator,
-    api: Api<RunSession>,
-}
+type World = support::runs::RunWorld;
 
 async fn world(hint: &str, env: &[(&str, &str)]) -> World {
-    let cp = control_plane();
-    let client = cp.client().await;
-    let ns = support::namespace(&client, hint).await;
-    let db = TestDb::new().await;
-    let redis = PrivateRedis::start();
-    let prefix = support::redis_prefix();
-    let mut all = vec![("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_PREFIX", prefix.as_str())];
-    all.extend_from_slice(env);
-    let op = Operator::start(cp, &db.url, &ns, &all).await;
-    let api = Api::namespaced(client.clone(), &ns);
-    World { cp, client, ns, db, redis, prefix, op, api }
+    World::start(hint, env).await
 }
 
-impl World {
-    /// A RunSession with a fresh key, and a client holding that key.
-    async fn run(&self, name: &str, server: &str, lease: Option<i32>) -> RunClient {
-        let key = support::create_run_session(&self.api, name, server, lease).await;
-        eventually(10, "identity mirrored", || async {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM run_identities WHERE server_instance_id = $1 AND revoked_at IS NULL",
-            )
-            .bind(server)
-            .fetch_one(&self.db.pool)
-            .await
-            .ok()?;
-            (n == 1).then_some(())
-        })
-        .await;
-        RunClient::new(&self.op.base, server, "run", 1, key)
-    }
+/// A platform that enqueues jobs for the world's Runs.
+trait Dispatcher {
+    fn enqueue_token(&self) -> String;
+    async fn enqueue(&self, token: &str, server: &str, kind: &str) -> reqwest::Response;
+}
 
+impl Dispatcher for World {
     fn enqueue_token(&self) -> String {
         support::sa_token(self.cp, &self.ns, "dispatcher", "runsessions", &["get", "update"])
     }

@@ -9,6 +9,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod runs;
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
@@ -208,6 +209,28 @@ pub fn write_token_kubeconfig(cp: &ControlPlane, token: &str, path: &Path) {
     std::fs::write(path, kubeconfig).expect("write kubeconfig");
 }
 
+/// kubectl with `kubeconfig`, fed `stdin`.
+fn kubectl_with(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(assets_dir().join("kubectl"))
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kubectl");
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
+    }
+    let out = child.wait_with_output().expect("kubectl output");
+    Output {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
 pub struct Output {
     pub ok: bool,
     pub stdout: String,
@@ -217,49 +240,16 @@ pub struct Output {
 impl ControlPlane {
     /// Runs the kubectl built with the API server (same version) against this control plane.
     pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
-        use std::io::Write;
-        let mut child = Command::new(assets_dir().join("kubectl"))
-            .args(args)
-            .env("KUBECONFIG", &self.kubeconfig)
-            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kubectl");
-        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
-        }
-        let out = child.wait_with_output().expect("kubectl output");
-        Output {
-            ok: out.status.success(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }
+        kubectl_with(&self.kubeconfig, args, stdin)
     }
 
     /// kubectl as the holder of `token` (a token for the API server's audience), not as admin.
     pub fn kubectl_as(&self, token: &str, args: &[&str], stdin: Option<&str>) -> Output {
-        use std::io::Write;
         let path = std::env::temp_dir().join(format!("prism-kubeconfig-{}", uuid::Uuid::new_v4().simple()));
         write_token_kubeconfig(self, token, &path);
-        let mut child = Command::new(assets_dir().join("kubectl"))
-            .args(args)
-            .env("KUBECONFIG", &path)
-            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kubectl");
-        if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
-        }
-        let out = child.wait_with_output().expect("kubectl output");
+        let out = kubectl_with(&path, args, stdin);
         let _ = std::fs::remove_file(&path);
-        Output {
-            ok: out.status.success(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }
+        out
     }
 
     pub fn kubectl_ok(&self, args: &[&str]) -> String {
