@@ -70,6 +70,22 @@ fn short_lived<K: std::hash::Hash + Eq + Send + Sync + 'static, V: Clone + Send 
     Cache::builder().max_capacity(CACHE_MAX).time_to_live(CACHE_TTL).build()
 }
 
+/// Sends a review (a TokenReview, a SubjectAccessReview) and returns it answered; the API
+/// server not answering is a 503 `kubernetes_unavailable`.
+async fn ask<K>(client: &Client, review: &K, what: &str) -> Result<K, ApiError>
+where
+    K: kube::Resource<Scope = k8s_openapi::ClusterResourceScope, DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::Serialize
+        + serde::de::DeserializeOwned,
+{
+    Api::<K>::all(client.clone())
+        .create(&PostParams::default(), review)
+        .await
+        .map_err(|e| ApiError::unavailable("kubernetes_unavailable", format!("{what} failed: {e}")))
+}
+
 /// The bearer token of a request, if it has one.
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?;
@@ -123,12 +139,7 @@ impl Authorizer {
                     spec: TokenReviewSpec { token: token.to_string(), audiences: Some(self.audiences.clone()) },
                     ..Default::default()
                 };
-                let done = Api::<TokenReview>::all(self.client.clone())
-                    .create(&PostParams::default(), &review)
-                    .await
-                    .map_err(|e| {
-                    ApiError::unavailable("kubernetes_unavailable", format!("TokenReview failed: {e}"))
-                })?;
+                let done = ask(&self.client, &review, "TokenReview").await?;
                 let caller = done.status.as_ref().and_then(|s| accepted(s, &self.audiences));
                 match &caller {
                     Some(_) => self.known.insert(key, ()),
@@ -216,12 +227,7 @@ impl Authorizer {
             },
             ..Default::default()
         };
-        let done = Api::<SubjectAccessReview>::all(self.client.clone())
-            .create(&PostParams::default(), &review)
-            .await
-            .map_err(|e| {
-            ApiError::unavailable("kubernetes_unavailable", format!("SubjectAccessReview failed: {e}"))
-        })?;
+        let done = ask(&self.client, &review, "SubjectAccessReview").await?;
         let allowed = done.status.map(|s| s.allowed).unwrap_or(false);
         self.decisions.insert(key, allowed);
         Ok(allowed)
