@@ -89,7 +89,7 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
     assert_eq!(counts.iter().filter(|(r, _)| r == "Preempted").map(|(_, n)| n).sum::<i32>(), 1, "{counts:?}");
     assert_eq!(event_counts(&client, &ns, "codex-b").await, vec![], "a peer joining has no Event");
     // Metrics carry the election history and the live roles.
-    let metrics = support::http().get(op.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
+    let mut metrics = String::new();
     for line in [
         "prism_election_events{cause=\"elected\"} 1".to_string(),
         "prism_election_events{cause=\"preempted\"} 1".to_string(),
@@ -97,7 +97,7 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
         format!("prism_controller_registrations{{namespace=\"{ns}\",role=\"peer\"}} 2"),
         "prism_dependency_up{dependency=\"postgres\"} 1".to_string(),
     ] {
-        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+        metrics = support::metric_line(&op, &line).await;
     }
     assert!(metrics.contains("prism_reconciles_total{controller=\"controllerregistration\"}"), "{metrics}");
 
@@ -544,6 +544,9 @@ async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
     let desktop_first = [(1, m, "elected".to_string()), (2, d_, "preempted".to_string())];
     assert!(history == wrap_first || history == desktop_first, "{history:?}");
     assert_eq!(d.status.and_then(|s| s.term), history.last().map(|(term, _, _)| *term), "{history:?}");
-    let r = http.get(op.url("/readyz")).send().await.expect("readyz");
-    assert_eq!(r.status(), 200);
+    // Readiness is probed every 2 s: ready again within a few seconds.
+    eventually(10, "readyz ready again", || async {
+        (http.get(op.url("/readyz")).send().await.ok()?.status() == 200).then_some(())
+    })
+    .await;
 }

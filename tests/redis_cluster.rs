@@ -576,9 +576,8 @@ async fn under_fault(hint: &str, fault: Fault) {
         (body["status"] == "ready" && body["checks"]["runtime_registry"]["status"] == "ok").then_some(())
     })
     .await;
-    let metrics = http.get(op.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
-    assert!(metrics.lines().any(|l| l == "prism_dependency_up{dependency=\"redis\"} 1"), "{metrics}");
-    assert!(metrics.lines().any(|l| l == format!("prism_runtime_runs_online {RUNS}")), "{metrics}");
+    support::metric_line(&op, "prism_dependency_up{dependency=\"redis\"} 1").await;
+    support::metric_line(&op, &format!("prism_runtime_runs_online {RUNS}")).await;
 }
 
 #[tokio::test]

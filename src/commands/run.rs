@@ -60,7 +60,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         kube: kube.clone(),
         metrics: metrics.clone(),
     };
-    api::health::spawn(health.clone(), Arc::new(probes));
+    // Probed once before serving: /readyz answers from the first request on.
+    let probes = Arc::new(probes);
+    api::health::probe(&health, &probes).await;
+    api::health::spawn(health.clone(), probes);
     let state = Arc::new(AppState {
         db: api_pool,
         health,

@@ -568,6 +568,20 @@ where
     }
 }
 
+/// How long the operator's /metrics may lag the truth: its gauges are refreshed in the
+/// background every 10 s (SPEC §12: a snapshot at most 15 s old).
+pub const METRICS_LAG_SECS: u64 = 20;
+
+/// Waits until the operator's /metrics has a line `line`; returns the whole text.
+pub async fn metric_line(op: &Operator, line: &str) -> String {
+    let url = op.url("/metrics");
+    eventually(METRICS_LAG_SECS, &format!("/metrics line {line}"), || async {
+        let text = http().get(&url).send().await.ok()?.text().await.ok()?;
+        text.lines().any(|l| l == line).then_some(text)
+    })
+    .await
+}
+
 /// Polls the named object until `pred` holds for it; returns it (fails the test after
 /// `secs` seconds).
 pub async fn wait_for<K>(api: &Api<K>, name: &str, secs: u64, what: &str, pred: impl Fn(&K) -> bool) -> K
