@@ -476,6 +476,13 @@ async fn jobs_and_identities_stay_in_their_tenant() {
     .await;
     let mut run_b = RunClient::new(&op.base, "srv-x", "run", 1, key_b);
     run_b.hello().await.expect("B's Run");
+    // Even a job of A's still queued for the address (as one left from before would be)
+    // is not B's to claim.
+    sqlx::query("INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind) VALUES ($1, 'srv-x', 'run', 'file')")
+        .bind(&a)
+        .execute(&db.pool)
+        .await
+        .expect("A's queued job");
     assert!(run_b.claim(10).await.expect("claim").is_empty(), "no job of A's reaches B");
     let (status, _) = enqueue(disp_a.clone(), None, "config").await;
     assert_eq!(status, 403, "the address is B's now: A's platform may not enqueue for it");
