@@ -78,6 +78,10 @@ pub struct DemoRunArgs {
     /// Complete claimed jobs as succeeded (a demo worker); without it jobs are only acknowledged.
     #[arg(long)]
     pub complete_jobs: bool,
+    /// A CA certificate (PEM) to trust beside the system's, for an operator serving TLS
+    /// with a private CA (the chart's Secret has it as `ca.crt`).
+    #[arg(long, env = "PRISM_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -229,6 +233,18 @@ pub struct RunArgs {
     /// Run controllers and the sweep only on the holder of a coordination.k8s.io Lease.
     #[arg(long, env = "PRISM_LEADER_ELECTION", default_value = "true", value_parser = parse_switch, action = clap::ArgAction::Set)]
     pub leader_election: bool,
+    /// PEM certificate chain of the API listener; with --tls-key-file the listener serves
+    /// TLS only. Both files are read again when they change (a mounted Secret).
+    #[arg(long, env = "PRISM_TLS_CERT_FILE")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of that certificate (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, env = "PRISM_TLS_KEY_FILE")]
+    pub tls_key_file: Option<PathBuf>,
+    /// Connections the API listener keeps open at once; one more is closed at once (the
+    /// client retries, through a Service on another replica).
+    #[arg(long, env = "PRISM_MAX_CONNECTIONS", default_value_t = 4096,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_connections: u32,
 }
 
 /// `true/false`, `on/off`, `1/0`, `yes/no`: what people write in Helm values and env.
@@ -268,6 +284,10 @@ pub enum ConfigError {
     Missing(&'static str, &'static str),
     #[error("{0} is malformed: {1}")]
     Malformed(&'static str, String),
+    #[error("{0} is set but {1} is not: set both or neither")]
+    Unpaired(&'static str, &'static str),
+    #[error("{0}: {1}")]
+    Unusable(&'static str, String),
 }
 
 impl DatabaseArgs {
@@ -343,6 +363,7 @@ impl RunArgs {
         self.mcp_allowed_hosts()?;
         self.mcp_session_key()?;
         self.audiences()?;
+        self.check_tls()?;
         Ok(())
     }
 
@@ -389,6 +410,27 @@ impl RunArgs {
                 )
             }),
         }
+    }
+}
+
+impl RunArgs {
+    /// The API listener's certificate and key, when TLS is configured: both or neither.
+    pub fn tls_files(&self) -> Result<Option<crate::transport::CertFiles>, ConfigError> {
+        let set = |p: &Option<PathBuf>| p.clone().filter(|p| !p.as_os_str().is_empty());
+        match (set(&self.tls_cert_file), set(&self.tls_key_file)) {
+            (None, None) => Ok(None),
+            (Some(cert), Some(key)) => Ok(Some(crate::transport::CertFiles { cert, key })),
+            (Some(_), None) => Err(ConfigError::Unpaired("PRISM_TLS_CERT_FILE", "PRISM_TLS_KEY_FILE")),
+            (None, Some(_)) => Err(ConfigError::Unpaired("PRISM_TLS_KEY_FILE", "PRISM_TLS_CERT_FILE")),
+        }
+    }
+
+    /// Reads the pair as the listener will: readable, PEM, a key that fits the certificate.
+    fn check_tls(&self) -> Result<(), ConfigError> {
+        if let Some(files) = self.tls_files()? {
+            files.load().map_err(|e| ConfigError::Unusable(e.variable(), e.to_string()))?;
+        }
+        Ok(())
     }
 }
 
@@ -529,5 +571,64 @@ mod tests {
     fn redaction_hides_the_password_only() {
         assert_eq!(redact_url("postgres://prism:s3cret@db:5432/prism"), "postgres://prism:***@db:5432/prism");
         assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+    }
+}
+
+#[cfg(test)]
+mod transport_tests {
+    use super::*;
+
+    fn run_args(args: &[&str]) -> RunArgs {
+        let mut argv = vec!["prism-operator", "run", "--database-url", "postgres://a@b/c", "--redis-url", "redis://x"];
+        argv.extend_from_slice(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Run(r) => *r,
+            _ => unreachable!("parsed the run subcommand"),
+        }
+    }
+
+    #[test]
+    fn tls_is_both_files_or_neither_and_they_are_read_at_start() {
+        crate::install_crypto_provider();
+        let mut a = run_args(&[]);
+        a.tls_cert_file = None;
+        a.tls_key_file = None;
+        assert_eq!(a.tls_files(), Ok(None));
+        assert_eq!(a.max_connections, 4096);
+        a.tls_cert_file = Some("/nonexistent/tls.crt".into());
+        assert_eq!(
+            a.validate().unwrap_err().to_string(),
+            "PRISM_TLS_CERT_FILE is set but PRISM_TLS_KEY_FILE is not: set both or neither"
+        );
+        a.tls_key_file = Some("/nonexistent/tls.key".into());
+        let e = a.validate().unwrap_err().to_string();
+        assert!(e.starts_with("PRISM_TLS_CERT_FILE: cannot read /nonexistent/tls.crt"), "{e}");
+        assert_eq!(e.lines().count(), 1);
+        a.tls_cert_file = Some("".into());
+        assert_eq!(a.tls_files(), Err(ConfigError::Unpaired("PRISM_TLS_KEY_FILE", "PRISM_TLS_CERT_FILE")));
+
+        let dir = std::env::temp_dir().join(format!("prism-config-tls-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (_, cert, key) = crate::transport::tls::tests::pair("config");
+        std::fs::write(dir.join("tls.crt"), cert).unwrap();
+        std::fs::write(dir.join("tls.key"), "not a key").unwrap();
+        let a = run_args(&[
+            "--tls-cert-file",
+            dir.join("tls.crt").to_str().unwrap(),
+            "--tls-key-file",
+            dir.join("tls.key").to_str().unwrap(),
+        ]);
+        let e = a.validate().unwrap_err().to_string();
+        assert!(e.starts_with("PRISM_TLS_KEY_FILE: ") && e.contains("no PEM private key"), "{e}");
+        std::fs::write(dir.join("tls.key"), key).unwrap();
+        assert_eq!(a.validate(), Ok(()));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn the_connection_cap_is_bounded() {
+        assert_eq!(run_args(&["--max-connections", "10"]).max_connections, 10);
+        let argv = ["prism-operator", "run", "--max-connections", "0"];
+        assert!(Cli::try_parse_from(argv).is_err());
     }
 }

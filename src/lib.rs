@@ -13,9 +13,11 @@ pub mod refresh;
 // Kubernetes glue: reconcilers and the Lease that picks the replica running them.
 pub mod leader;
 pub mod reconcilers;
-// The HTTP API, and the client a Run uses to speak it.
+// The HTTP API, the listener that serves it (TLS, server limits), and the client a Run
+// uses to speak it.
 pub mod api;
 pub mod run_client;
+pub mod transport;
 // Process: configuration, subcommands, database connection, logs and metrics.
 pub mod commands;
 pub mod config;

@@ -26,6 +26,8 @@ pub enum ClientError {
     NoSession,
     #[error("key file: {0}")]
     Key(String),
+    #[error("CA certificate: {0}")]
+    CaCert(String),
 }
 
 impl ClientError {
@@ -66,6 +68,23 @@ pub fn read_key(path: &Path) -> Result<SigningKey, ClientError> {
         .and_then(|b| b.try_into().ok())
         .ok_or_else(|| ClientError::Key(format!("{}: not a base64 Ed25519 seed", path.display())))?;
     Ok(SigningKey::from_bytes(&seed))
+}
+
+/// An HTTP client for the operator's API that also trusts the CA certificates (PEM) in
+/// `ca_cert`, for an operator serving TLS with a private CA.
+pub fn http_client(ca_cert: Option<&Path>) -> Result<reqwest::Client, ClientError> {
+    crate::install_crypto_provider();
+    let mut builder = reqwest::Client::builder();
+    if let Some(path) = ca_cert {
+        let pem = std::fs::read(path).map_err(|e| ClientError::CaCert(format!("{}: {e}", path.display())))?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| ClientError::CaCert(format!("{}: {e}", path.display())))?;
+        if certs.is_empty() {
+            return Err(ClientError::CaCert(format!("{}: no PEM certificate in it", path.display())));
+        }
+        builder = builder.tls_certs_merge(certs);
+    }
+    Ok(builder.build()?)
 }
 
 fn random_nonce() -> String {

@@ -10,7 +10,9 @@ use crate::run_client::{self, ClientError, RunClient};
 
 pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
     let key = run_client::read_key(&args.key_file)?;
-    let mut client = RunClient::new(&args.api, &args.server_instance_id, &args.component_kind, args.generation, key);
+    let http = run_client::http_client(args.ca_cert.as_deref())?;
+    let mut client =
+        RunClient::new(&args.api, &args.server_instance_id, &args.component_kind, args.generation, key).with_http(http);
     let mut granted = client.hello().await?;
     info!(server = %args.server_instance_id, component = %args.component_kind, lease = granted.lease_ttl_seconds, "session started");
     loop {

@@ -21,6 +21,7 @@ use crate::run_registry::identity::IdentityStore;
 use crate::run_registry::jobs::JobStore;
 use crate::run_registry::service::RunRegistry;
 use crate::telemetry::Metrics;
+use crate::transport;
 
 /// `prism-operator run`, step by step.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -182,22 +183,26 @@ fn spawn_limit_pruning(limits: Arc<api::limits::Limits>) {
     });
 }
 
-/// Serves the HTTP API until `stop` says so.
+/// Serves the HTTP API (TLS when configured, with the server limits of SPEC §12) until
+/// `stop` says so.
 async fn serve_api(
     args: &RunArgs,
     state: Arc<AppState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    let tls = args.tls_files()?;
+    let limits = transport::Limits::spec(args.max_connections as usize);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {} (PRISM_LISTEN)", args.listen))?;
-    info!(listen = %args.listen, "HTTP API serving");
-    axum::serve(listener, api::router(state).into_make_service_with_connect_info::<std::net::SocketAddr>())
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|stop| *stop).await;
-        })
-        .await
-        .context("HTTP server failed")
+    if let Some(warning) = transport::plain_http_warning(args.listen, tls.is_some()) {
+        warn!("{warning}");
+    }
+    info!(listen = %args.listen, tls = tls.is_some(), max_connections = limits.max_connections, "HTTP API serving");
+    let shutdown = async move {
+        let _ = stop.wait_for(|stop| *stop).await;
+    };
+    transport::serve(listener, api::router(state), tls.as_ref(), &limits, shutdown).await.context("HTTP server failed")
 }
 
 /// Postgres may start after the operator (a Helm install starts both at once): retry for

@@ -1,0 +1,294 @@
+//! The API listener (SPEC §12 "Transport" and the server limits of "Bounded"): HTTP/1.1
+//! over TCP, or over TLS only when a certificate is configured, with
+//!
+//! * a header read timeout (10 s): a client that opens a connection and sends its
+//!   request line and headers slowly, or nothing at all, is disconnected. hyper's timer
+//!   also covers the wait for the next request on a kept-alive connection, so an idle
+//!   connection is closed after the same 10 s;
+//! * a TLS handshake timeout (10 s);
+//! * a request timeout (30 s, [`timeout`]): 408 `request_timeout`;
+//! * a cap on open connections ([`cap`], `PRISM_MAX_CONNECTIONS`): one more is closed
+//!   at once;
+//! * graceful shutdown: the listener closes, idle connections close, requests in flight
+//!   get [`Limits::shutdown_grace`] to finish.
+//!
+//! HTTP/2 is not offered (ALPN `http/1.1`, no prior-knowledge h2): hyper's HTTP/2
+//! server has no header read timeout, so the slow-client bound would not hold there,
+//! and every client of the API (HTTP libraries, MCP SDKs, the Run client) speaks
+//! HTTP/1.1.
+//!
+//! axum-server runs hyper with a timer (axum::serve has none, so hyper's timeouts never
+//! fire there) and swaps the rustls configuration without a restart ([`tls`]).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use axum::Router;
+use axum_server::Handle;
+use axum_server::accept::DefaultAcceptor;
+use axum_server::tls_rustls::RustlsAcceptor;
+use tokio::net::TcpListener;
+use tracing::{debug, info};
+
+pub mod cap;
+pub mod timeout;
+pub mod tls;
+
+pub use tls::CertFiles;
+
+/// The server limits; [`Limits::spec`] gives SPEC §12's.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub header_read_timeout: Duration,
+    pub tls_handshake_timeout: Duration,
+    pub request_timeout: Duration,
+    pub max_connections: usize,
+    /// How long requests in flight may take to finish after shutdown begins (the
+    /// kubelet's default grace before SIGKILL is 30 s).
+    pub shutdown_grace: Duration,
+}
+
+impl Limits {
+    pub fn spec(max_connections: usize) -> Limits {
+        Limits {
+            header_read_timeout: Duration::from_secs(10),
+            tls_handshake_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            max_connections,
+            shutdown_grace: Duration::from_secs(20),
+        }
+    }
+}
+
+/// What is said at start about a listener without TLS (None: nothing to say).
+pub fn plain_http_warning(listen: SocketAddr, tls: bool) -> Option<String> {
+    (!tls && !listen.ip().is_loopback()).then(|| {
+        format!(
+            "the API on {listen} is plain HTTP on a non-loopback address: bearer tokens and session tokens cross the network in clear text; set PRISM_TLS_CERT_FILE and PRISM_TLS_KEY_FILE (chart: tls.enabled)"
+        )
+    })
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, then drains connections.
+/// With `tls`, the pair is read now (an error is returned if it cannot be served) and
+/// watched for changes while serving.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    tls: Option<&CertFiles>,
+    limits: &Limits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let app = timeout::RequestTimeout::new(limits.request_timeout).apply(app);
+    let make_service = app.into_make_service_with_connect_info::<SocketAddr>();
+    let handle: Handle<SocketAddr> = Handle::new();
+    let grace = limits.shutdown_grace;
+    let on_shutdown = handle.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        on_shutdown.graceful_shutdown(Some(grace));
+    });
+    let mut server = axum_server::Server::from_listener(listener).handle(handle).http1_only();
+    server.http_builder().http1().header_read_timeout(Some(limits.header_read_timeout));
+    // TLS handshakes that fail, connections over the cap: the peer's business, not an
+    // operator error (the cap warns by itself).
+    let server = server.accept_error_handler(|peer: Option<&SocketAddr>, error: &std::io::Error| {
+        debug!(peer = ?peer, %error, "connection not accepted");
+    });
+    let capped = cap::ConnectionCap::new(DefaultAcceptor::new(), limits.max_connections);
+    match tls {
+        None => server.acceptor(capped).serve(make_service).await.context("serving HTTP"),
+        Some(files) => {
+            let loaded = files.load().map_err(|e| anyhow::anyhow!("{}: {e}", e.variable()))?;
+            info!(cert = %files.cert.display(), sha256 = %loaded.fingerprint, "API serves TLS only");
+            let (reloader, config) = tls::Reloader::new(files.clone(), loaded);
+            let watch = tokio::spawn(reloader.run(tls::RELOAD_CHECK_EVERY));
+            let acceptor = RustlsAcceptor::new(config).handshake_timeout(limits.tls_handshake_timeout).acceptor(capped);
+            let served = server.acceptor(acceptor).serve(make_service).await.context("serving HTTPS");
+            watch.abort();
+            served
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use axum::routing::{get, post};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    use tokio::sync::oneshot;
+
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            header_read_timeout: Duration::from_millis(600),
+            tls_handshake_timeout: Duration::from_millis(600),
+            request_timeout: Duration::from_millis(800),
+            max_connections: 2,
+            shutdown_grace: Duration::from_secs(5),
+        }
+    }
+
+    fn app() -> Router {
+        Router::new()
+            .route("/fast", get(|| async { "fast" }))
+            .route(
+                "/slow",
+                get(|| async {
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    "slow"
+                }),
+            )
+            .route("/echo", post(|body: String| async move { body }))
+    }
+
+    struct Running {
+        addr: SocketAddr,
+        stop: Option<oneshot::Sender<()>>,
+        done: tokio::task::JoinHandle<anyhow::Result<()>>,
+    }
+
+    async fn start(app: Router, limits: Limits, tls: Option<CertFiles>) -> Running {
+        crate::install_crypto_provider();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let done = tokio::spawn(async move {
+            serve(listener, app, tls.as_ref(), &limits, async move {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        Running { addr, stop: Some(stop), done }
+    }
+
+    /// Writes `request`, then reads until the server closes; returns what it answered
+    /// and how long the connection lasted.
+    async fn exchange(addr: SocketAddr, request: &[u8]) -> (String, Duration) {
+        let started = std::time::Instant::now();
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        conn.write_all(request).await.unwrap();
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer)).await;
+        (String::from_utf8_lossy(&answer).into_owned(), started.elapsed())
+    }
+
+    #[tokio::test]
+    async fn slow_headers_are_cut_at_the_header_timeout_and_a_slow_handler_at_the_request_timeout() {
+        let server = start(app(), limits(), None).await;
+        // The request line and one header, never the blank line.
+        let (answer, took) = exchange(server.addr, b"GET /fast HTTP/1.1\r\nHost: x\r\n").await;
+        assert!(took >= Duration::from_millis(500) && took < Duration::from_secs(3), "{took:?} {answer:?}");
+        assert!(!answer.contains("200 OK"), "{answer}");
+
+        let (answer, took) = exchange(server.addr, b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains(r#"{"error":{"code":"request_timeout","message":"#), "{answer}");
+        assert!(took < Duration::from_millis(1400), "cut before the handler finished: {took:?}");
+
+        // A body trickled in slower than the request timeout.
+        let mut conn = TcpStream::connect(server.addr).await.unwrap();
+        conn.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab").await.unwrap();
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut answer)).await;
+        assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 408"), "{answer:?}");
+
+        let (answer, _) = exchange(server.addr, b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("fast"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn untimed_routes_are_not_cut() {
+        let policy = timeout::RequestTimeout { limit: Duration::from_millis(300), untimed: &["/slow"] };
+        assert_eq!(policy.limit_for(Some("/slow")), None);
+        assert_eq!(policy.limit_for(Some("/fast")), Some(Duration::from_millis(300)));
+        assert_eq!(policy.limit_for(None), Some(Duration::from_millis(300)));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = policy.apply(app());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let (answer, _) = exchange(addr, b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("slow"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn connections_over_the_cap_are_closed_and_the_cap_frees_with_them() {
+        let mut l = limits();
+        l.header_read_timeout = Duration::from_secs(30);
+        let server = start(app(), l, None).await;
+        let held = [TcpStream::connect(server.addr).await.unwrap(), TcpStream::connect(server.addr).await.unwrap()];
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (answer, took) = exchange(server.addr, b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        assert_eq!(answer, "", "the third connection is closed unanswered");
+        assert!(took < Duration::from_secs(2), "at once: {took:?}");
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (answer, _) = exchange(server.addr, b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn shutdown_lets_the_request_in_flight_finish_and_closes_the_listener() {
+        let mut l = limits();
+        l.request_timeout = Duration::from_secs(5);
+        let mut server = start(app(), l, None).await;
+        let addr = server.addr;
+        let in_flight =
+            tokio::spawn(
+                async move { exchange(addr, b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await },
+            );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let _ = server.stop.take().map(|s| s.send(()));
+        let (answer, _) = in_flight.await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("slow"), "{answer}");
+        tokio::time::timeout(Duration::from_secs(5), &mut server.done).await.unwrap().unwrap().unwrap();
+        assert!(TcpStream::connect(addr).await.is_err(), "the listener is closed");
+    }
+
+    #[tokio::test]
+    async fn tls_only_with_a_certificate() {
+        let (ca, cert, key) = tls::tests::pair("unit");
+        let dir = std::env::temp_dir().join(format!("prism-serve-unit-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let files = CertFiles { cert: dir.join("tls.crt"), key: dir.join("tls.key") };
+        std::fs::write(&files.cert, cert).unwrap();
+        std::fs::write(&files.key, key).unwrap();
+        let server = start(app(), limits(), Some(files)).await;
+
+        // Plain HTTP to the TLS port: no HTTP answer.
+        let (answer, _) = exchange(server.addr, b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        assert!(!answer.contains("HTTP/1.1 200"), "{answer:?}");
+
+        let mut roots = rustls::RootCertStore::empty();
+        use rustls::pki_types::pem::PemObject as _;
+        roots.add(rustls::pki_types::CertificateDer::from_pem_slice(ca.as_bytes()).unwrap()).unwrap();
+        let client = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+        let tcp = TcpStream::connect(server.addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let mut conn = connector.connect(name, tcp).await.unwrap();
+        assert_eq!(conn.get_ref().1.alpn_protocol(), None, "no ALPN asked, none forced");
+        conn.write_all(b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut answer = Vec::new();
+        let _ = conn.read_to_end(&mut answer).await;
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("fast"), "{answer}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn plain_http_is_warned_about_off_loopback_only() {
+        let warn = |addr: &str, tls| plain_http_warning(addr.parse().unwrap(), tls);
+        assert!(warn("0.0.0.0:8080", false).is_some_and(|w| w.contains("PRISM_TLS_CERT_FILE")));
+        assert!(warn("10.1.2.3:8080", false).is_some());
+        assert!(warn("[::]:8080", false).is_some());
+        assert_eq!(warn("0.0.0.0:8080", true), None);
+        assert_eq!(warn("127.0.0.1:8080", false), None);
+        assert_eq!(warn("[::1]:8080", false), None);
+    }
+}
