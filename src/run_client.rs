@@ -26,8 +26,6 @@ pub enum ClientError {
     NoSession,
     #[error("key file: {0}")]
     Key(String),
-    #[error("CA certificate: {0}")]
-    CaCert(String),
 }
 
 impl ClientError {
@@ -72,19 +70,18 @@ pub fn read_key(path: &Path) -> Result<SigningKey, ClientError> {
 
 /// An HTTP client for the operator's API that also trusts the CA certificates (PEM) in
 /// `ca_cert`, for an operator serving TLS with a private CA.
-pub fn http_client(ca_cert: Option<&Path>) -> Result<reqwest::Client, ClientError> {
+pub fn http_client(ca_cert: Option<&Path>) -> anyhow::Result<reqwest::Client> {
+    use anyhow::Context as _;
     crate::install_crypto_provider();
     let mut builder = reqwest::Client::builder();
     if let Some(path) = ca_cert {
-        let pem = std::fs::read(path).map_err(|e| ClientError::CaCert(format!("{}: {e}", path.display())))?;
-        let certs = reqwest::Certificate::from_pem_bundle(&pem)
-            .map_err(|e| ClientError::CaCert(format!("{}: {e}", path.display())))?;
-        if certs.is_empty() {
-            return Err(ClientError::CaCert(format!("{}: no PEM certificate in it", path.display())));
-        }
+        let what = || format!("CA certificate {} (--ca-cert, PRISM_CA_CERT)", path.display());
+        let pem = std::fs::read(path).with_context(what)?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem).with_context(what)?;
+        anyhow::ensure!(!certs.is_empty(), "{}: no PEM certificate in it", what());
         builder = builder.tls_certs_merge(certs);
     }
-    Ok(builder.build()?)
+    builder.build().context("cannot build the HTTP client")
 }
 
 fn random_nonce() -> String {

@@ -500,8 +500,17 @@ impl Operator {
                 .stderr(err)
                 .spawn()
                 .expect("prism-operator run starts");
-            let mut op = Operator { base: format!("http://127.0.0.1:{port}"), log, child };
-            let http = http();
+            // An operator given a certificate (tests/transport.rs) serves https only; the
+            // wait for it needs no trust, the tests check the certificate themselves.
+            let tls = env.iter().any(|(k, _)| *k == "PRISM_TLS_CERT_FILE");
+            let scheme = if tls { "https" } else { "http" };
+            let mut op = Operator { base: format!("{scheme}://127.0.0.1:{port}"), log, child };
+            let http = if tls {
+                prism_operator::install_crypto_provider();
+                reqwest::Client::builder().tls_danger_accept_invalid_certs(true).build().expect("client")
+            } else {
+                http()
+            };
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
             loop {
                 if http.get(op.url("/healthz")).send().await.is_ok() {
