@@ -143,6 +143,8 @@ fn bad_values_fail_at_install_time() {
         "service.type=Magic",
         "nope=1",
         "redis.mode=sentinel",
+        "tls.enabled=maybe",
+        "tls.secretName=Not_A_Name",
     ] {
         let (ok, _, err) = helm(&["template", "prism", chart.as_str(), "--set", bad], None);
         assert!(!ok, "{bad} must be rejected");
@@ -169,6 +171,194 @@ fn redis_mode_reaches_the_operator() {
     assert_eq!(env_of(&["--set", "redis.mode=cluster"]), "cluster");
 }
 
+fn find<'a>(docs: &'a [serde_yaml::Value], kind: &str, name: &str) -> Option<&'a serde_yaml::Value> {
+    docs.iter().find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+}
+
+fn operator_container(docs: &[serde_yaml::Value]) -> serde_yaml::Value {
+    let deploy = find(docs, "Deployment", "prism-prism-operator").expect("operator deployment");
+    deploy["spec"]["template"]["spec"]["containers"][0].clone()
+}
+
+fn env_value(container: &serde_yaml::Value, name: &str) -> Option<String> {
+    container["env"].as_sequence()?.iter().find(|e| e["name"] == name)?["value"].as_str().map(str::to_string)
+}
+
+fn secret_bytes(secret: &serde_yaml::Value, key: &str) -> Vec<u8> {
+    use base64::Engine as _;
+    let b64 = secret["data"][key].as_str().unwrap_or_else(|| panic!("{key} in the Secret"));
+    base64::engine::general_purpose::STANDARD.decode(b64).expect("base64")
+}
+
+/// The certificate the chart makes verifies, against the `ca.crt` beside it, for every
+/// name a client in or outside the cluster uses, and the operator accepts the pair.
+fn assert_serves_names(secret: &serde_yaml::Value, names: &[&str]) {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    prism_operator::install_crypto_provider();
+    let (crt, key, ca) =
+        (secret_bytes(secret, "tls.crt"), secret_bytes(secret, "tls.key"), secret_bytes(secret, "ca.crt"));
+    let files = prism_operator::transport::CertFiles { cert: "tls.crt".into(), key: "tls.key".into() };
+    files.parse(&crt, &key).expect("the operator serves the chart's certificate and key");
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_slice(&ca).expect("ca.crt PEM")).expect("CA");
+    let verifier = rustls::client::WebPkiServerVerifier::builder(std::sync::Arc::new(roots)).build().expect("verifier");
+    let leaf = CertificateDer::from_pem_slice(&crt).expect("tls.crt PEM");
+    for name in names {
+        let server = ServerName::try_from(name.to_string()).expect("server name");
+        rustls::client::danger::ServerCertVerifier::verify_server_cert(
+            verifier.as_ref(),
+            &leaf,
+            &[],
+            &server,
+            &[],
+            UnixTime::now(),
+        )
+        .unwrap_or_else(|e| panic!("the chart's certificate for {name}: {e}"));
+    }
+    let other = ServerName::try_from("elsewhere.example").expect("name");
+    assert!(
+        rustls::client::danger::ServerCertVerifier::verify_server_cert(
+            verifier.as_ref(),
+            &leaf,
+            &[],
+            &other,
+            &[],
+            UnixTime::now()
+        )
+        .is_err(),
+        "and for no other name"
+    );
+}
+
+#[test]
+fn tls_is_on_by_default_with_a_certificate_for_the_service() {
+    let docs = render(&[]);
+    let secret = find(&docs, "Secret", "prism-prism-operator-tls").expect("the chart makes the TLS Secret");
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    assert_serves_names(
+        secret,
+        &[
+            "prism-prism-operator",
+            "prism-prism-operator.prism-system",
+            "prism-prism-operator.prism-system.svc",
+            "prism-prism-operator.prism-system.svc.cluster.local",
+            "localhost",
+            "127.0.0.1",
+        ],
+    );
+    let c = operator_container(&docs);
+    assert_eq!(env_value(&c, "PRISM_TLS_CERT_FILE").as_deref(), Some("/etc/prism/tls/tls.crt"));
+    assert_eq!(env_value(&c, "PRISM_TLS_KEY_FILE").as_deref(), Some("/etc/prism/tls/tls.key"));
+    assert_eq!(c["livenessProbe"]["httpGet"]["scheme"], "HTTPS");
+    assert_eq!(c["readinessProbe"]["httpGet"]["scheme"], "HTTPS");
+    assert_eq!(c["volumeMounts"][0]["mountPath"], "/etc/prism/tls");
+    assert_eq!(c["volumeMounts"][0]["readOnly"], true);
+    let pod = &find(&docs, "Deployment", "prism-prism-operator").expect("deployment")["spec"]["template"]["spec"];
+    assert_eq!(pod["volumes"][0]["secret"]["secretName"], "prism-prism-operator-tls");
+    assert_eq!(pod["volumes"][0]["secret"]["defaultMode"], 0o440);
+    assert_eq!(pod["securityContext"]["fsGroup"], 65532, "the non-root operator reads its 0440 key");
+    let svc = find(&docs, "Service", "prism-prism-operator").expect("service");
+    assert_eq!(svc["spec"]["ports"][0]["name"], "https");
+
+    // More names on request; Prometheus follows with the CA.
+    let docs = render(&["--set", "tls.extraDnsNames={prism.example.com}", "--set", "serviceMonitor.enabled=true"]);
+    let secret = find(&docs, "Secret", "prism-prism-operator-tls").expect("secret");
+    assert_serves_names(secret, &["prism.example.com", "prism-prism-operator.prism-system.svc"]);
+    let monitor = find(&docs, "ServiceMonitor", "prism-prism-operator").expect("monitor");
+    let endpoint = &monitor["spec"]["endpoints"][0];
+    assert_eq!(endpoint["scheme"], "https");
+    assert_eq!(endpoint["tlsConfig"]["ca"]["secret"]["name"], "prism-prism-operator-tls");
+    assert_eq!(endpoint["tlsConfig"]["serverName"], "prism-prism-operator.prism-system.svc");
+
+    // The user's Secret (cert-manager's, say): mounted, none made.
+    let docs = render(&["--set", "tls.secretName=prism-api-cert"]);
+    assert!(find(&docs, "Secret", "prism-prism-operator-tls").is_none());
+    let pod = &find(&docs, "Deployment", "prism-prism-operator").expect("deployment")["spec"]["template"]["spec"];
+    assert_eq!(pod["volumes"][0]["secret"]["secretName"], "prism-api-cert");
+
+    // Off: plain HTTP, as before.
+    let docs = render(&["--set", "tls.enabled=false"]);
+    assert!(!docs.iter().any(|d| d["kind"] == "Secret"), "no Secret without TLS (and no demo)");
+    let c = operator_container(&docs);
+    assert_eq!(env_value(&c, "PRISM_TLS_CERT_FILE"), None);
+    assert_eq!(c["livenessProbe"]["httpGet"]["scheme"], "HTTP");
+    assert!(c["volumeMounts"].is_null());
+    let svc = find(&docs, "Service", "prism-prism-operator").expect("service");
+    assert_eq!(svc["spec"]["ports"][0]["name"], "http");
+}
+
+fn rules(role: &serde_yaml::Value) -> Vec<(String, Vec<String>)> {
+    let strings = |v: &serde_yaml::Value| -> Vec<String> {
+        v.as_sequence().map(|s| s.iter().filter_map(|x| x.as_str().map(str::to_string)).collect()).unwrap_or_default()
+    };
+    let mut out = Vec::new();
+    for rule in role["rules"].as_sequence().expect("rules") {
+        for resource in strings(&rule["resources"]) {
+            out.push((resource, strings(&rule["verbs"])));
+        }
+    }
+    out
+}
+
+fn verbs_on(rules: &[(String, Vec<String>)], resource: &str) -> Vec<String> {
+    let mut v: Vec<String> = rules.iter().filter(|(r, _)| r == resource).flat_map(|(_, v)| v.clone()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn rbac_grants_what_is_used_and_follows_the_watched_namespace() {
+    let docs = render(&[]);
+    let cluster = rules(find(&docs, "ClusterRole", "prism-prism-operator").expect("cluster role"));
+    assert_eq!(verbs_on(&cluster, "controllerregistrations"), ["create", "delete", "get", "list", "patch", "watch"]);
+    assert_eq!(
+        verbs_on(&cluster, "runsessions"),
+        ["get", "list", "patch", "watch"],
+        "nothing creates or deletes RunSessions"
+    );
+    assert_eq!(verbs_on(&cluster, "tokenreviews"), ["create"]);
+    assert_eq!(verbs_on(&cluster, "events"), ["create", "patch"]);
+    assert!(find(&docs, "Role", "prism-prism-operator").is_none());
+
+    let docs = render(&["--set", "config.watchNamespace=team-a"]);
+    let cluster = rules(find(&docs, "ClusterRole", "prism-prism-operator").expect("cluster role"));
+    let resources: Vec<&str> = cluster.iter().map(|(r, _)| r.as_str()).collect();
+    assert_eq!(
+        resources,
+        ["tokenreviews", "subjectaccessreviews"],
+        "only the cluster-scoped reviews stay cluster-wide"
+    );
+    let role = find(&docs, "Role", "prism-prism-operator").expect("a Role in the watched namespace");
+    assert_eq!(role["metadata"]["namespace"], "team-a");
+    let scoped = rules(role);
+    assert_eq!(verbs_on(&scoped, "controllerregistrations"), ["create", "delete", "get", "list", "patch", "watch"]);
+    assert_eq!(verbs_on(&scoped, "runsessions"), ["get", "list", "patch", "watch"]);
+    assert_eq!(verbs_on(&scoped, "runsessions/status"), ["get", "patch"]);
+    assert_eq!(verbs_on(&scoped, "events"), ["create", "patch"]);
+    let binding = find(&docs, "RoleBinding", "prism-prism-operator").expect("binding");
+    assert_eq!(binding["metadata"]["namespace"], "team-a");
+    assert_eq!(binding["subjects"][0]["namespace"], "prism-system");
+    let leader = find(&docs, "Role", "prism-prism-operator-leader").expect("leader role");
+    assert_eq!(leader["metadata"]["namespace"], "prism-system", "the Lease stays in the release namespace");
+}
+
+#[test]
+fn the_demo_redis_has_a_password() {
+    let docs = render(&["--set", "demo.enabled=true"]);
+    let secret = find(&docs, "Secret", "prism-operator-redis").expect("redis secret");
+    let password = secret["stringData"]["password"].as_str().expect("password");
+    assert!(password.len() >= 24 && password.chars().all(|c| c.is_ascii_alphanumeric()), "{password}");
+    let url = secret["stringData"]["REDIS_URL"].as_str().expect("url");
+    assert_eq!(url, format!("redis://:{password}@prism-prism-operator-redis:6379"));
+    let redis = find(&docs, "Deployment", "prism-prism-operator-redis").expect("redis");
+    let c = &redis["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = c["args"].as_sequence().expect("args").iter().filter_map(|a| a.as_str()).collect();
+    assert!(args.windows(2).any(|w| w == ["--requirepass", "$(REDIS_PASSWORD)"]), "{args:?}");
+    assert_eq!(c["env"][0]["valueFrom"]["secretKeyRef"]["key"], "password");
+    assert!(!serde_yaml::to_string(c).expect("yaml").contains(password), "the password only in the Secret");
+}
+
 #[tokio::test]
 async fn installs_into_a_real_api_server_and_uninstalls() {
     let cp = control_plane();
@@ -191,6 +381,9 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
         cp.kubectl(&["auth", "can-i", verb, what, "-n", in_ns, "--as", &sa], None).stdout.trim().to_string()
     };
     assert_eq!(can("patch", "controllerregistrations.prism.ntecdev.ai/status", "default"), "yes");
+    assert_eq!(can("create", "controllerregistrations.prism.ntecdev.ai", "default"), "yes");
+    assert_eq!(can("create", "runsessions.prism.ntecdev.ai", "default"), "no");
+    assert_eq!(can("delete", "runsessions.prism.ntecdev.ai", "default"), "no");
     assert_eq!(can("create", "tokenreviews.authentication.k8s.io", "default"), "yes");
     assert_eq!(can("update", "leases.coordination.k8s.io", &ns), "yes");
     assert_eq!(can("update", "leases.coordination.k8s.io", "default"), "no", "leases only in its namespace");
@@ -243,6 +436,24 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
     assert_eq!(long["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]));
     assert!(long["metadata"]["labels"]["prism.ntecdev.ai/project"].is_null(), "{long}");
 
+    // The generated certificate and passwords are kept across an upgrade (lookup).
+    let secret_data = |name: &str| cp.kubectl_ok(&["get", "secret", name, "-n", &ns, "-o", "jsonpath={.data}"]);
+    let before: Vec<String> = ["prism-prism-operator-tls", "prism-operator-db", "prism-operator-redis"]
+        .iter()
+        .map(|n| secret_data(n))
+        .collect();
+    assert!(before[0].contains("ca.crt") && before[2].contains("password"), "{before:?}");
+    let (ok, out, err) = helm(
+        &["upgrade", "prism", chart.as_str(), "--namespace", &ns, "--set", "demo.enabled=true", "--set", "replicas=2"],
+        Some(&cp.kubeconfig),
+    );
+    assert!(ok, "helm upgrade: {out}{err}");
+    let after: Vec<String> = ["prism-prism-operator-tls", "prism-operator-db", "prism-operator-redis"]
+        .iter()
+        .map(|n| secret_data(n))
+        .collect();
+    assert_eq!(before, after, "helm upgrade made new certificates or passwords");
+
     let (ok, _, err) = helm(&["uninstall", "prism", "--namespace", &ns, "--wait=false"], Some(&cp.kubeconfig));
     assert!(ok, "helm uninstall: {err}");
     let left = cp.kubectl_ok(&[
@@ -251,6 +462,62 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
         "-A",
         "-l",
         "app.kubernetes.io/instance=prism",
+        "-o",
+        "name",
+    ]);
+    assert!(left.trim().is_empty(), "left behind: {left}");
+}
+
+#[tokio::test]
+async fn with_a_watched_namespace_the_operator_may_act_there_only() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "helm-scoped").await;
+    let team = support::namespace(&client, "team").await;
+    let chart = chart();
+    let (ok, out, err) = helm(
+        &[
+            "install",
+            "scoped",
+            chart.as_str(),
+            "--namespace",
+            &ns,
+            "--set",
+            &format!("config.watchNamespace={team}"),
+            "--set",
+            "admissionPolicy.enabled=false",
+            "--set",
+            "tls.secretName=scoped-cert",
+        ],
+        Some(&cp.kubeconfig),
+    );
+    assert!(ok, "helm install: {out}{err}");
+    let sa = format!("system:serviceaccount:{ns}:scoped-prism-operator");
+    let can = |verb: &str, what: &str, in_ns: &str| {
+        cp.kubectl(&["auth", "can-i", verb, what, "-n", in_ns, "--as", &sa], None).stdout.trim().to_string()
+    };
+    assert_eq!(can("watch", "controllerregistrations.prism.ntecdev.ai", &team), "yes");
+    assert_eq!(can("create", "controllerregistrations.prism.ntecdev.ai", &team), "yes");
+    assert_eq!(can("patch", "runsessions.prism.ntecdev.ai/status", &team), "yes");
+    assert_eq!(can("create", "events.events.k8s.io", &team), "yes");
+    for elsewhere in ["default", ns.as_str()] {
+        assert_eq!(can("list", "controllerregistrations.prism.ntecdev.ai", elsewhere), "no", "{elsewhere}");
+        assert_eq!(can("create", "events.events.k8s.io", elsewhere), "no", "{elsewhere}");
+    }
+    assert_eq!(can("create", "tokenreviews.authentication.k8s.io", "default"), "yes");
+    assert_eq!(can("create", "subjectaccessreviews.authorization.k8s.io", "default"), "yes");
+    // The user's Secret is theirs: the chart made none.
+    let secrets = cp.kubectl_ok(&["get", "secrets", "-n", &ns, "-o", "name"]);
+    assert!(!secrets.contains("scoped-cert") && !secrets.contains("-tls"), "{secrets}");
+    let (ok, _, err) = helm(&["uninstall", "scoped", "--namespace", &ns, "--wait=false"], Some(&cp.kubeconfig));
+    assert!(ok, "helm uninstall: {err}");
+    let left = cp.kubectl_ok(&[
+        "get",
+        "role,rolebinding",
+        "-n",
+        &team,
+        "-l",
+        "app.kubernetes.io/instance=scoped",
         "-o",
         "name",
     ]);

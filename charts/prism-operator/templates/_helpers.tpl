@@ -32,3 +32,35 @@ annotation of ControllerRegistrations: only then does the operator trust it. */}
 {{- define "prism.ownerPolicy" -}}
 {{- if and .Values.admissionPolicy.enabled (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") -}}true{{- end -}}
 {{- end -}}
+
+{{- /* The Secret the API's certificate comes from: the user's, or the one the chart makes. */ -}}
+{{- define "prism.tlsSecret" -}}
+{{- .Values.tls.secretName | default (printf "%s-tls" (include "prism.fullname" .)) -}}
+{{- end -}}
+
+{{- /* The API port's name: https with TLS (so meshes and monitors do not take it for plain HTTP). */ -}}
+{{- define "prism.portName" -}}
+{{- if .Values.tls.enabled }}https{{ else }}http{{ end -}}
+{{- end -}}
+
+{{- /* RBAC rules on the custom resources and Events: cluster-wide, or in config.watchNamespace. */ -}}
+{{- define "prism.resourceRules" }}
+  # Watch and reconcile the custom resources. The agent API creates and deletes
+  # registrations on behalf of callers it has authorized with a SubjectAccessReview;
+  # RunSessions are only ever created by their owners (kubectl, GitOps).
+  - apiGroups: ["prism.ntecdev.ai"]
+    resources: ["controllerregistrations"]
+    verbs: ["get", "list", "watch", "patch", "create", "delete"]
+  - apiGroups: ["prism.ntecdev.ai"]
+    resources: ["runsessions"]
+    verbs: ["get", "list", "watch", "patch"]
+  - apiGroups: ["prism.ntecdev.ai"]
+    resources: ["controllerregistrations/status", "runsessions/status"]
+    verbs: ["get", "patch"]
+  - apiGroups: ["prism.ntecdev.ai"]
+    resources: ["controllerregistrations/finalizers", "runsessions/finalizers"]
+    verbs: ["update"]
+  - apiGroups: ["events.k8s.io"]
+    resources: ["events"]
+    verbs: ["create", "patch"]
+{{- end }}
