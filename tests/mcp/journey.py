@@ -8,13 +8,15 @@ revision) the official SDK joins a project as Claude Code (master), as Codex (pe
 Claude Desktop (preempts), calls again as Claude Code (told it was preempted), reads the
 status, wraps the desktop (the best peer is master at once) and wraps the rest. One line
 per step; exit 1 at the first step that is not what the user was promised.
-scripts/mcp-journey sets up the token the way the README tells a user to.
+scripts/mcp-journey sets up the token the way the README tells a user to. An https URL is
+checked against --ca-cert (default $PRISM_CA_CERT), as a user's client would.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from typing import Any
 
@@ -91,6 +93,11 @@ def main() -> None:
     parser.add_argument("--namespace", default="", help="default: the token's ServiceAccount namespace")
     parser.add_argument("--project", required=True)
     parser.add_argument("--modes", default="legacy,modern")
+    parser.add_argument(
+        "--ca-cert",
+        default=os.environ.get("PRISM_CA_CERT", ""),
+        help="CA certificate (PEM) of an https URL (default: $PRISM_CA_CERT; else the system's trust, or SSL_CERT_FILE)",
+    )
     args = parser.parse_args()
     args.namespace_header = ""
     try:

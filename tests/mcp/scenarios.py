@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 import sys
 from contextlib import asynccontextmanager
 from typing import Any
@@ -32,9 +33,9 @@ class Alternating(httpx2.AsyncBaseTransport):
     """Sends each request to the next URL in turn (two replicas behind one client) and
     records who got what: (base, method, JSON-RPC method, Mcp-Session-Id)."""
 
-    def __init__(self, bases: list[str]) -> None:
+    def __init__(self, bases: list[str], verify: ssl.SSLContext | bool = True) -> None:
         self.bases = [httpx2.URL(b) for b in bases]
-        self.inner = httpx2.AsyncHTTPTransport()
+        self.inner = httpx2.AsyncHTTPTransport(verify=verify)
         self.turn = 0
         self.log: list[dict[str, Any]] = []
 
@@ -72,8 +73,12 @@ async def connect(args: argparse.Namespace, client_name: str, token: str | None 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if args.namespace_header:
         headers["X-Prism-Namespace"] = args.namespace_header
-    transport = Alternating(urls) if len(urls) > 1 else None
-    http = httpx2.AsyncClient(headers=headers, timeout=30, transport=transport)
+    # An https operator with a private CA: trust exactly that CA (args.ca_cert, when the
+    # caller has the option), as a user's MCP client configured with it would.
+    ca_cert = getattr(args, "ca_cert", "")
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_cert) if ca_cert else True
+    transport = Alternating(urls, verify) if len(urls) > 1 else None
+    http = httpx2.AsyncClient(headers=headers, timeout=30, transport=transport, verify=verify)
     mode = "legacy" if args.mode == "legacy" else "auto"
     async with http:
         client = Client(
