@@ -68,12 +68,23 @@ pub fn read_key(path: &Path) -> Result<SigningKey, ClientError> {
     Ok(SigningKey::from_bytes(&seed))
 }
 
+/// How long the client keeps an idle connection for reuse. The API closes a connection
+/// that has waited 10 s for its next request (its header read timeout covers that wait,
+/// SPEC §12), and a Run heartbeats every lease/3 — 10 s with the default lease — so a
+/// connection kept longer would be closed by the server just as the next heartbeat takes
+/// it, and that heartbeat would fail. Dropped at 5 s, the next call opens a fresh one.
+pub const POOL_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+fn client_builder() -> reqwest::ClientBuilder {
+    crate::install_crypto_provider();
+    reqwest::Client::builder().pool_idle_timeout(POOL_IDLE_TIMEOUT)
+}
+
 /// An HTTP client for the operator's API that also trusts the CA certificates (PEM) in
 /// `ca_cert`, for an operator serving TLS with a private CA.
 pub fn http_client(ca_cert: Option<&Path>) -> anyhow::Result<reqwest::Client> {
     use anyhow::Context as _;
-    crate::install_crypto_provider();
-    let mut builder = reqwest::Client::builder();
+    let mut builder = client_builder();
     if let Some(path) = ca_cert {
         let what = || format!("CA certificate {} (--ca-cert, PRISM_CA_CERT)", path.display());
         let pem = std::fs::read(path).with_context(what)?;
@@ -128,9 +139,9 @@ async fn answer<T: serde::de::DeserializeOwned>(r: reqwest::Response) -> Result<
 
 impl RunClient {
     pub fn new(base: &str, server_instance_id: &str, component_kind: &str, generation: i64, key: SigningKey) -> Self {
-        crate::install_crypto_provider();
         Self {
-            http: reqwest::Client::new(),
+            // Building fails only where reqwest::Client::new() would panic (no TLS backend).
+            http: client_builder().build().unwrap_or_else(|_| reqwest::Client::new()),
             base: base.trim_end_matches('/').to_string(),
             server_instance_id: server_instance_id.into(),
             component_kind: component_kind.into(),

@@ -103,8 +103,15 @@ impl Drop for SecretDir {
     }
 }
 
-/// An operator serving TLS from `secret`.
-async fn tls_operator(secret: &SecretDir, hint: &str) -> (Operator, TestDb) {
+/// An operator serving TLS from `secret`, watching a namespace of its own.
+struct TlsOperator {
+    op: Operator,
+    db: TestDb,
+    ns: String,
+    client: kube::Client,
+}
+
+async fn start_tls_operator(secret: &SecretDir, hint: &str) -> TlsOperator {
     let cp = control_plane();
     let client = cp.client().await;
     let ns = support::namespace(&client, hint).await;
@@ -112,7 +119,12 @@ async fn tls_operator(secret: &SecretDir, hint: &str) -> (Operator, TestDb) {
     let cert = secret.cert().to_string_lossy().into_owned();
     let key = secret.key().to_string_lossy().into_owned();
     let op = Operator::start(cp, &db.url, &ns, &[("PRISM_TLS_CERT_FILE", &cert), ("PRISM_TLS_KEY_FILE", &key)]).await;
-    (op, db)
+    TlsOperator { op, db, ns, client }
+}
+
+async fn tls_operator(secret: &SecretDir, hint: &str) -> (Operator, TestDb) {
+    let t = start_tls_operator(secret, hint).await;
+    (t.op, t.db)
 }
 
 fn addr_of(op: &Operator) -> SocketAddr {
@@ -388,4 +400,59 @@ fn a_bad_tls_setting_stops_the_start_with_one_line() {
     assert!(e.starts_with("error: PRISM_TLS_KEY_FILE: the key in") && e.contains("does not fit"), "{e}");
     let key_line = other.key_pem.lines().nth(1).expect("key body");
     assert!(!e.contains(key_line), "no key material in the error");
+}
+
+/// The API closes a connection idle for 10 s (hyper's header read timeout also bounds the
+/// wait for the next request), which is also the heartbeat interval a Run is told with the
+/// default lease: the bundled Run client must not reuse a connection the server is closing
+/// (before it dropped idle connections early, about one heartbeat in 25 failed so).
+#[tokio::test]
+async fn runs_heartbeating_at_the_advertised_interval_meet_no_closed_connection() {
+    use prism_operator::run_client::{self, RunClient};
+    let pki = Pki::new("idle");
+    let leaf = pki.leaf(11);
+    let mut secret = SecretDir::new();
+    secret.put(&leaf.cert_pem, &leaf.key_pem);
+    let ca_path = secret.dir.join("ca.crt");
+    std::fs::write(&ca_path, pki.ca_pem()).expect("write CA");
+    let t = start_tls_operator(&secret, "idle").await;
+    let api: kube::Api<prism_operator::crd::RunSession> = kube::Api::namespaced(t.client.clone(), &t.ns);
+    let mut tasks = Vec::new();
+    for i in 0..3 {
+        let server = format!("srv-idle-{i}");
+        let key = support::create_run_session(&api, &format!("idle-{i}"), &server, None).await;
+        // As demo-run builds it (--ca-cert).
+        let http = run_client::http_client(Some(&ca_path)).expect("client");
+        let mut run = RunClient::new(&t.op.base, &server, "run", 1, key).with_http(http);
+        tasks.push(tokio::spawn(async move {
+            // The first hello may come before the reconciler mirrored the identity.
+            let mut granted = None;
+            for _ in 0..40 {
+                match run.hello().await {
+                    Ok(g) => {
+                        granted = Some(g);
+                        break;
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+                }
+            }
+            let granted = granted.expect("hello within 20 s");
+            assert_eq!(granted.heartbeat_interval_seconds, 10, "the default lease's interval");
+            let mut failed = Vec::new();
+            for _ in 0..5 {
+                tokio::time::sleep(Duration::from_secs(granted.heartbeat_interval_seconds)).await;
+                if let Err(e) = run.heartbeat().await {
+                    failed.push(e.to_string());
+                }
+                if let Err(e) = run.claim(10).await {
+                    failed.push(e.to_string());
+                }
+            }
+            failed
+        }));
+    }
+    for task in tasks {
+        let failed = task.await.expect("run");
+        assert!(failed.is_empty(), "calls failed at the advertised interval: {failed:?}");
+    }
 }
