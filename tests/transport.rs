@@ -103,6 +103,15 @@ impl Drop for SecretDir {
     }
 }
 
+/// A CA, a certificate it signed (`serial`), and a Secret-style directory serving it.
+fn serving(name: &str, serial: u64) -> (Pki, Leaf, SecretDir) {
+    let pki = Pki::new(name);
+    let leaf = pki.leaf(serial);
+    let mut secret = SecretDir::new();
+    secret.put(&leaf.cert_pem, &leaf.key_pem);
+    (pki, leaf, secret)
+}
+
 /// An operator serving TLS from `secret`, watching a namespace of its own.
 struct TlsOperator {
     op: Operator,
@@ -197,12 +206,9 @@ async fn wait_for_log(op: &Operator, needle: &str, secs: u64) {
 
 #[tokio::test]
 async fn https_only_with_the_ca_and_the_certificate_reloaded_when_the_secret_changes() {
-    let pki = Pki::new("reload");
+    let (pki, first, mut secret) = serving("reload", 1001);
     let ca = pki.ca_pem();
-    let first = pki.leaf(1001);
     let second = pki.leaf(1002);
-    let mut secret = SecretDir::new();
-    secret.put(&first.cert_pem, &first.key_pem);
     let (op, _db) = tls_operator(&secret, "tls").await;
     let addr = addr_of(&op);
 
@@ -266,11 +272,8 @@ async fn https_only_with_the_ca_and_the_certificate_reloaded_when_the_secret_cha
 
 #[tokio::test]
 async fn slow_clients_are_cut_while_others_are_served() {
-    let pki = Pki::new("limits");
+    let (pki, _leaf, secret) = serving("limits", 7);
     let ca = pki.ca_pem();
-    let leaf = pki.leaf(7);
-    let mut secret = SecretDir::new();
-    secret.put(&leaf.cert_pem, &leaf.key_pem);
     let (op, _db) = tls_operator(&secret, "limits").await;
     let addr = addr_of(&op);
 
@@ -339,10 +342,7 @@ async fn slow_clients_are_cut_while_others_are_served() {
 
 #[tokio::test]
 async fn sigterm_ends_a_tls_operator_with_a_connection_open() {
-    let pki = Pki::new("term");
-    let leaf = pki.leaf(9);
-    let mut secret = SecretDir::new();
-    secret.put(&leaf.cert_pem, &leaf.key_pem);
+    let (pki, _leaf, secret) = serving("term", 9);
     let (mut op, _db) = tls_operator(&secret, "term").await;
     let (mut conn, _) = connect(addr_of(&op), &pki.ca_pem()).await;
     assert_eq!(get(&mut conn, "/healthz").await.0, 200);
@@ -409,10 +409,7 @@ fn a_bad_tls_setting_stops_the_start_with_one_line() {
 #[tokio::test]
 async fn runs_heartbeating_at_the_advertised_interval_meet_no_closed_connection() {
     use prism_operator::run_client::{self, RunClient};
-    let pki = Pki::new("idle");
-    let leaf = pki.leaf(11);
-    let mut secret = SecretDir::new();
-    secret.put(&leaf.cert_pem, &leaf.key_pem);
+    let (pki, _leaf, secret) = serving("idle", 11);
     let ca_path = secret.dir.join("ca.crt");
     std::fs::write(&ca_path, pki.ca_pem()).expect("write CA");
     let t = start_tls_operator(&secret, "idle").await;
