@@ -37,11 +37,6 @@ impl<A> ConnectionCap<A> {
         let max = max.clamp(1, Semaphore::MAX_PERMITS);
         ConnectionCap { inner, permits: Arc::new(Semaphore::new(max)), max, refused: Arc::default() }
     }
-
-    /// Connections open now.
-    pub fn open(&self) -> usize {
-        self.max - self.permits.available_permits()
-    }
 }
 
 impl<A, I, S> Accept<I, S> for ConnectionCap<A>
