@@ -293,12 +293,21 @@ async fn scenario_7_stale_registrations_are_swept_and_a_heartbeat_keeps_its_own(
             .send()
     };
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    let pp = PostParams::default();
-    api.create(&pp, &creg("m", "P", "s-m", AgentSurface::Codex)).await.expect("create");
+    // Created with kubectl by the agent itself: with the chart's admission policy they are
+    // the agent's, whose heartbeat then keeps its own (without it they have no owner).
+    let agent_k = support::api_server_token(cp, &ns, "agent");
+    let create = |name: &str, session: &str, surface: &str| {
+        let yaml = format!(
+            "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {{name: {name}, namespace: {ns}}}\nspec: {{projectId: P, sessionId: {session}, agentSurface: {surface}}}\n"
+        );
+        let out = cp.kubectl_as(&agent_k, &["create", "-f", "-"], Some(&yaml));
+        assert!(out.ok, "create {name}: {}", out.stderr);
+    };
+    create("m", "s-m", "codex");
     wait_status(&api, "m", "m master", |s| s.role == Role::Master).await;
     // q registers before p: were both kept, q would succeed m.
     for (name, session) in [("q", "s-q"), ("p", "s-p")] {
-        api.create(&pp, &creg(name, "P", session, AgentSurface::Other)).await.expect("create");
+        create(name, session, "other");
         wait_status(&api, name, &format!("{name} peer"), |s| s.role == Role::Peer).await;
     }
 

@@ -55,7 +55,7 @@ async fn hello_heartbeat_supersede_and_online_status() {
 
     let granted = run.hello().await.expect("valid hello");
     assert_eq!(granted.lease_ttl_seconds, 30);
-    assert_eq!(granted.heartbeat_interval_seconds, 10);
+    assert_eq!(granted.heartbeat_interval_seconds, 8, "a third of the lease, below the idle cut");
     let online = phase(&w.api, "srv-1-run", RunPhase::Online, 5).await;
     let st = online.status.expect("status");
     assert!(st.online);

@@ -434,7 +434,7 @@ async fn runs_heartbeating_at_the_advertised_interval_meet_no_closed_connection(
                 }
             }
             let granted = granted.expect("hello within 20 s");
-            assert_eq!(granted.heartbeat_interval_seconds, 10, "the default lease's interval");
+            assert_eq!(granted.heartbeat_interval_seconds, 8, "the default lease's interval");
             let mut failed = Vec::new();
             for _ in 0..5 {
                 tokio::time::sleep(Duration::from_secs(granted.heartbeat_interval_seconds)).await;

@@ -32,7 +32,7 @@ use crate::run_registry::jobs::{Job, JobKind, Step, StepRefused};
 use crate::run_registry::projection::{Lease, SessionView, project};
 use crate::run_registry::service::{
     Granted, Hello, HelloError, SessionRefused, StepError, capabilities_schema, capacity_schema, check_address,
-    check_jsonb, check_snapshot, server_instance_id_ok,
+    check_jsonb, check_snapshot, heartbeat_interval, server_instance_id_ok,
 };
 use crate::run_registry::sessions::Renewal;
 use crate::run_registry::{RunAddress, Session};
@@ -181,7 +181,10 @@ pub async fn heartbeat(
     match state.registry.session(token, Some(renewal)).await? {
         Ok((_, session)) => {
             let lease = (session.lease_left.as_millis() as u64).div_ceil(1000);
-            Ok(Json(RunHeartbeatReply { lease_ttl_seconds: lease, heartbeat_interval_seconds: (lease / 3).max(1) }))
+            Ok(Json(RunHeartbeatReply {
+                lease_ttl_seconds: lease,
+                heartbeat_interval_seconds: u64::from(heartbeat_interval(u32::try_from(lease).unwrap_or(u32::MAX))),
+            }))
         }
         Err(r) => Err(session_refused(r)),
     }

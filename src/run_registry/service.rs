@@ -256,6 +256,19 @@ pub fn check_proof(h: &Hello, key_generation: i64, public_key: &str, now: i64) -
     proof::verify(public_key, &message, &h.signature).map_err(|_| ProofRefused::BadSignature)
 }
 
+/// The heartbeat interval a Run is told for a lease of `lease` seconds: a third of it, so
+/// two beats may fail before it runs out; but not within 2 s above the API's idle cut of
+/// a kept-alive connection (10 s, its header read timeout): a beat sent as the server
+/// closes the connection fails, and one of a Run beating every 10 s would meet that
+/// about once in 25 (tests/transport.rs). 8 s then (the default lease of 30 s).
+pub fn heartbeat_interval(lease: u32) -> u32 {
+    match lease / 3 {
+        0 => 1,
+        10..=11 => 8,
+        third => third,
+    }
+}
+
 /// A session token: a routing part naming the identity (not secret) and 256 random bits.
 fn mint_token(a: &RunAddress) -> Result<String, RegistryError> {
     let mut secret = [0u8; 32];
@@ -353,8 +366,11 @@ impl RunRegistry {
             HelloOutcome::Stale => return Ok(Err(HelloError::Refused(ProofRefused::StaleGeneration))),
             HelloOutcome::Started | HelloOutcome::Rotated => {}
         }
-        let granted =
-            Granted { session_token: token, lease_ttl_seconds: lease, heartbeat_interval_seconds: (lease / 3).max(1) };
+        let granted = Granted {
+            session_token: token,
+            lease_ttl_seconds: lease,
+            heartbeat_interval_seconds: heartbeat_interval(lease),
+        };
         Ok(Ok((identity, granted)))
     }
 
@@ -444,6 +460,12 @@ mod tests {
             let forged = format!("{TOKEN_PREFIX}.{}.{}", URL_SAFE_NO_PAD.encode(route), "a".repeat(43));
             assert_eq!(token_address(&forged), None, "{route:?}");
         }
+    }
+
+    #[test]
+    fn heartbeats_are_a_third_of_the_lease_but_never_at_the_idle_cut() {
+        let intervals: Vec<u32> = [1, 5, 27, 30, 33, 35, 36, 60, 3600].into_iter().map(heartbeat_interval).collect();
+        assert_eq!(intervals, [1, 1, 9, 8, 8, 8, 12, 20, 1200]);
     }
 
     #[test]
