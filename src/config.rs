@@ -154,6 +154,19 @@ pub struct RunArgs {
     #[arg(long, env = "PRISM_JOB_VISIBILITY_SECONDS", default_value_t = 60,
           value_parser = clap::value_parser!(u32).range(1..=86_400))]
     pub job_visibility_seconds: u32,
+    /// Attempts a job gets when its enqueue names none (SPEC §5.1).
+    #[arg(long, env = "PRISM_JOB_MAX_ATTEMPTS", default_value_t = 3,
+          value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub job_max_attempts: u8,
+    /// How long one attempt may run when its enqueue names no `timeout_seconds`.
+    #[arg(long, env = "PRISM_JOB_TIMEOUT_SECONDS", default_value_t = 600,
+          value_parser = clap::value_parser!(u32).range(1..=86_400))]
+    pub job_timeout_seconds: u32,
+    /// How long a Run has to stop a job whose cancel was requested before it is
+    /// cancelled anyway (its later steps are then 409 `job_finished`).
+    #[arg(long, env = "PRISM_JOB_CANCEL_GRACE_SECONDS", default_value_t = 30,
+          value_parser = clap::value_parser!(u32).range(1..=86_400))]
+    pub job_cancel_grace_seconds: u32,
     /// Reconciles in flight at once per controller: bounds the operator's connections to
     /// the API server (and its memory) when many resources change together. Reconciles
     /// mostly wait on the API server and Postgres, so this is well above the core count.

@@ -12,7 +12,7 @@ use ed25519_dalek::{Signer, SigningKey};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::run_registry::jobs::Job;
+use crate::run_registry::jobs::{Job, JobKind};
 use crate::run_registry::proof;
 
 #[derive(Debug, thiserror::Error)]
@@ -111,6 +111,15 @@ fn random_nonce() -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b)
 }
 
+/// A claim's answer (SPEC §6).
+#[derive(Clone, Debug, Deserialize)]
+pub struct Claimed {
+    pub jobs: Vec<Job>,
+    /// Jobs held whose cancel was requested: stop each, complete it `cancelled`.
+    #[serde(default)]
+    pub cancel: Vec<uuid::Uuid>,
+}
+
 pub struct RunClient {
     http: reqwest::Client,
     base: String,
@@ -149,7 +158,8 @@ impl RunClient {
             key,
             token: None,
             version: env!("CARGO_PKG_VERSION").into(),
-            capabilities: vec!["lifecycle".into(), "config".into()],
+            // Every job kind: a Run that advertises fewer is handed only those (SPEC §5.1).
+            capabilities: JobKind::ALL.iter().map(|k| k.to_string()).collect(),
             capacity: [("slots".to_string(), 4)].into(),
         }
     }
@@ -214,6 +224,11 @@ impl RunClient {
     }
 
     pub async fn claim(&self, max: i64) -> Result<Vec<Job>, ClientError> {
+        Ok(self.claim_and_cancels(max).await?.jobs)
+    }
+
+    /// A claim's whole answer: the jobs claimed, and the held jobs to stop.
+    pub async fn claim_and_cancels(&self, max: i64) -> Result<Claimed, ClientError> {
         let r = self
             .http
             .post(format!("{}/api/v1/runtime/jobs/claim", self.base))
@@ -221,12 +236,7 @@ impl RunClient {
             .json(&json!({"max": max}))
             .send()
             .await?;
-        #[derive(Deserialize)]
-        struct Claimed {
-            jobs: Vec<Job>,
-        }
-        let claimed: Claimed = answer(r).await?;
-        Ok(claimed.jobs)
+        answer(r).await
     }
 
     /// `action` is `ack`, `progress` or `complete`.

@@ -59,7 +59,26 @@ pub struct Metrics {
     registrations: Family<RoleLabels, Gauge>,
     pub runs_online: Gauge,
     pub jobs_queued: Gauge,
+    jobs: Family<StateLabels, Gauge>,
+    job_cancellations: Family<ReasonLabels, Gauge>,
+    pub job_dispatch_seconds: Histogram,
+    job_attempts: Family<OutcomeLabels, Counter>,
     up: Family<DependencyLabels, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    pub state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
 }
 
 impl Default for Metrics {
@@ -77,6 +96,10 @@ impl Default for Metrics {
         let registrations = Family::<RoleLabels, Gauge>::default();
         let runs_online = Gauge::default();
         let jobs_queued = Gauge::default();
+        let jobs = Family::<StateLabels, Gauge>::default();
+        let job_cancellations = Family::<ReasonLabels, Gauge>::default();
+        let job_dispatch_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
+        let job_attempts = Family::<OutcomeLabels, Counter>::default();
         let up = Family::<DependencyLabels, Gauge>::default();
         registry.register(
             "runtime_claim_duration_seconds",
@@ -95,6 +118,22 @@ impl Default for Metrics {
         );
         registry.register("runtime_runs_online", "Runs holding a session lease", runs_online.clone());
         registry.register("runtime_jobs_queued", "Jobs waiting to be claimed", jobs_queued.clone());
+        registry.register("runtime_jobs", "Jobs by state (all replicas, from Postgres)", jobs.clone());
+        registry.register(
+            "runtime_job_cancellations",
+            "Cancelled jobs by reason (all replicas, from Postgres; finished jobs are pruned after the retention)",
+            job_cancellations.clone(),
+        );
+        registry.register(
+            "runtime_job_dispatch_seconds",
+            "Enqueue to first claim of a job (this replica's claims)",
+            job_dispatch_seconds.clone(),
+        );
+        registry.register(
+            "runtime_job_attempts_ended",
+            "Job attempts ended, by outcome: succeeded, failed (for good), requeued (retried), cancelled",
+            job_attempts.clone(),
+        );
         registry.register("dependency_up", "1 when the dependency answers (postgres, redis)", up.clone());
         registry.register("reconciles", "Reconciliations per controller", reconciles.clone());
         registry.register("reconcile_errors", "Failed reconciliations per controller", reconcile_errors.clone());
@@ -117,6 +156,10 @@ impl Default for Metrics {
             registrations,
             runs_online,
             jobs_queued,
+            jobs,
+            job_cancellations,
+            job_dispatch_seconds,
+            job_attempts,
             up,
         }
     }
@@ -146,6 +189,34 @@ impl Metrics {
         for (namespace, master, n) in counts {
             let role = if master { "master" } else { "peer" }.to_string();
             self.registrations.get_or_create(&RoleLabels { namespace, role }).set(n);
+        }
+    }
+
+    /// Jobs by state and cancellations by reason, as counted in Postgres.
+    pub fn set_jobs(&self, census: &crate::run_registry::jobs::JobCensus) {
+        self.jobs.clear();
+        for state in crate::run_registry::jobs::JobState::ALL {
+            let n = census.by_state.iter().find(|(s, _)| s == state).map(|(_, n)| *n).unwrap_or(0);
+            self.jobs.get_or_create(&StateLabels { state: state.to_string() }).set(n);
+        }
+        self.jobs_queued.set(
+            census
+                .by_state
+                .iter()
+                .find(|(s, _)| *s == crate::run_registry::jobs::JobState::Queued)
+                .map(|(_, n)| *n)
+                .unwrap_or(0),
+        );
+        self.job_cancellations.clear();
+        for (reason, n) in &census.cancelled {
+            self.job_cancellations.get_or_create(&ReasonLabels { reason: reason.clone() }).set(*n);
+        }
+    }
+
+    /// `n` job attempts ended with `outcome`.
+    pub fn attempts_ended(&self, outcome: &str, n: u64) {
+        if n > 0 {
+            self.job_attempts.get_or_create(&OutcomeLabels { outcome: outcome.to_string() }).inc_by(n);
         }
     }
 

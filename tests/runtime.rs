@@ -60,7 +60,7 @@ async fn hello_heartbeat_supersede_and_online_status() {
     let st = online.status.expect("status");
     assert!(st.online);
     assert_eq!(st.version.as_deref(), Some(env!("CARGO_PKG_VERSION")));
-    assert_eq!(st.capabilities, ["lifecycle", "config"]);
+    assert_eq!(st.capabilities, ["lifecycle", "config", "file", "log", "protected_request"]);
     assert_eq!(st.capacity.get("slots"), Some(&4));
     let out = w.cp.kubectl_ok(&["get", "rsess", "-n", &w.ns, "--no-headers"]);
     assert!(out.contains("srv-1") && out.contains("Online"), "{out}");

@@ -155,13 +155,10 @@ async fn postgres_gauges(p: &Probes) -> Result<(), QueryError> {
     .await
     .step("metrics: count live registrations")?;
     m.set_registrations(roles);
-    match p.registry.jobs.queue_depth().await {
-        Ok(n) => m.jobs_queued.set(n),
+    match p.registry.jobs.census().await {
+        Ok(census) => m.set_jobs(&census),
         Err(RegistryError::Database(e)) => return Err(e),
-        Err(other) => {
-            tracing::warn!(error = %other, "metrics: queued jobs not counted");
-            0
-        }
+        Err(other) => tracing::warn!(error = %other, "metrics: jobs not counted"),
     };
     Ok(())
 }

@@ -15,7 +15,7 @@ use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::AppState;
-use super::agents::check_namespace;
+use super::agents::{check_identifier, check_namespace};
 use super::auth::bearer;
 use super::docs::JsonbValue;
 use super::docs::{
@@ -28,7 +28,11 @@ use kube::Api;
 use crate::crd::RunSession;
 use crate::refresh::{self, NamespacedName};
 use crate::run_registry::identity::Identity;
-use crate::run_registry::jobs::{Job, JobKind, Step, StepRefused};
+use crate::run_registry::jobs::{
+    Cancel, Cursor, Enqueued, IDEMPOTENCY_KEY_PATTERN, Job, JobFence, JobFilter, JobKind, JobState, MAX_ATTEMPTS_RANGE,
+    MAX_ERROR_CHARS, MAX_PAGE, MAX_REASON_CHARS, NewJob, Outcome as JobOutcome, Step, StepRefused,
+    TIMEOUT_SECONDS_RANGE, idempotency_key_ok,
+};
 use crate::run_registry::projection::{Lease, SessionView, project};
 use crate::run_registry::service::{
     Granted, Hello, HelloError, SessionRefused, StepError, capabilities_schema, capacity_schema, check_address,
@@ -146,6 +150,9 @@ pub struct RunHeartbeatReply {
     /// Seconds the renewed lease has left.
     lease_ttl_seconds: u64,
     heartbeat_interval_seconds: u64,
+    /// Jobs this Run holds whose cancel was requested: stop them and complete each with
+    /// outcome `cancelled` (SPEC §5.1).
+    cancel: Vec<Uuid>,
 }
 
 /// Heartbeat of a Run: renews its session lease
@@ -179,11 +186,13 @@ pub async fn heartbeat(
     let (caps, cap) = body.map(|b| (b.capabilities, b.capacity)).unwrap_or_default();
     let renewal = Renewal { now: Utc::now(), capabilities: caps.as_deref(), capacity: cap.as_ref() };
     match state.registry.session(token, Some(renewal)).await? {
-        Ok((_, session)) => {
+        Ok((address, session)) => {
             let lease = (session.lease_left.as_millis() as u64).div_ceil(1000);
+            let cancel = state.registry.cancel_requested(&address, &session).await?;
             Ok(Json(RunHeartbeatReply {
                 lease_ttl_seconds: lease,
                 heartbeat_interval_seconds: u64::from(heartbeat_interval(u32::try_from(lease).unwrap_or(u32::MAX))),
+                cancel,
             }))
         }
         Err(r) => Err(session_refused(r)),
@@ -207,6 +216,23 @@ pub struct EnqueueBody {
     #[serde(default)]
     #[schema(value_type = JsonbValue)]
     payload: Value,
+    /// Attempts the job gets (default `PRISM_JOB_MAX_ATTEMPTS`, 3).
+    #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
+    #[schema(minimum = 1, maximum = 100)]
+    max_attempts: Option<i64>,
+    /// How long one attempt may run (default `PRISM_JOB_TIMEOUT_SECONDS`, 600).
+    #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
+    #[schema(minimum = 1, maximum = 86400)]
+    timeout_seconds: Option<i64>,
+    /// The same key for the same namespace and address within 24 h answers the first
+    /// job (200) instead of queueing another; with another request, 409.
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._:-]{1,128}$", example = "deploy-42")]
+    idempotency_key: Option<String>,
+    /// Valid only while `term` is the project's master term (the caller also needs `get`
+    /// on registrations in its namespace); 409 `stale_term` otherwise.
+    #[serde(default)]
+    fence: Option<JobFence>,
 }
 
 impl EnqueueBody {
@@ -215,8 +241,48 @@ impl EnqueueBody {
             check_namespace(ns)?;
         }
         check_address(&self.server_instance_id, &self.component_kind).map_err(|e| ApiError::invalid(e.0))?;
-        check_jsonb("payload", &self.payload).map_err(|e| ApiError::invalid(e.0))
+        check_jsonb("payload", &self.payload).map_err(|e| ApiError::invalid(e.0))?;
+        if let Some(n) = self.max_attempts
+            && !(i64::from(*MAX_ATTEMPTS_RANGE.start())..=i64::from(*MAX_ATTEMPTS_RANGE.end())).contains(&n)
+        {
+            return Err(ApiError::invalid("max_attempts must be 1 to 100"));
+        }
+        if let Some(n) = self.timeout_seconds
+            && !(i64::from(*TIMEOUT_SECONDS_RANGE.start())..=i64::from(*TIMEOUT_SECONDS_RANGE.end())).contains(&n)
+        {
+            return Err(ApiError::invalid("timeout_seconds must be 1 to 86400"));
+        }
+        if let Some(k) = &self.idempotency_key
+            && !idempotency_key_ok(k)
+        {
+            return Err(ApiError::invalid(format!("idempotency_key must match {IDEMPOTENCY_KEY_PATTERN}")));
+        }
+        if let Some(f) = &self.fence {
+            check_fence(f)?;
+        }
+        Ok(())
     }
+
+    fn new_job(&self) -> NewJob {
+        NewJob {
+            kind: self.kind,
+            payload: if self.payload.is_null() { json!({}) } else { self.payload.clone() },
+            // In range: `check` ran.
+            max_attempts: self.max_attempts.and_then(|n| i32::try_from(n).ok()),
+            timeout_seconds: self.timeout_seconds.and_then(|n| i32::try_from(n).ok()),
+            idempotency_key: self.idempotency_key.clone(),
+            fence: self.fence.clone(),
+        }
+    }
+}
+
+pub fn check_fence(f: &JobFence) -> Result<(), ApiError> {
+    check_namespace(&f.namespace)?;
+    check_identifier("fence.project_id", &f.project_id, 128)?;
+    if f.term < 1 {
+        return Err(ApiError::invalid("fence.term must be an integer >= 1"));
+    }
+    Ok(())
 }
 
 /// Enqueue a job for a Run
@@ -224,7 +290,9 @@ impl EnqueueBody {
 /// The caller must be allowed to `update` the RunSession of that server/component. The
 /// job belongs to that RunSession's namespace. A caller without that right gets the same
 /// 403 whether or not such a RunSession exists (a 404 only when `namespace` is given and
-/// the caller may update RunSessions there).
+/// the caller may update RunSessions there). 201 with a new job; 200 with the first job
+/// of a repeated `idempotency_key`; 409 `idempotency_conflict` (the key with another
+/// request) or `stale_term` (the fence's term is not current).
 #[utoipa::path(
     post,
     path = "/api/v1/runtime/jobs",
@@ -233,10 +301,12 @@ impl EnqueueBody {
     security(("kubernetes" = [])),
     responses(
         (status = 201, description = "Queued", body = Job),
+        (status = 200, description = "The first job of this idempotency key, as it is now", body = Job),
         (status = 400, response = BadRequest),
         (status = 401, response = Unauthenticated),
         (status = 403, response = Forbidden),
         (status = 404, response = NotFound),
+        (status = 409, response = Conflict),
         (status = 413, response = TooLarge),
         (status = 415, response = UnsupportedMediaType),
         (status = 422, response = Invalid),
@@ -253,7 +323,8 @@ pub async fn enqueue(
 ) -> Result<(StatusCode, Json<Job>), ApiError> {
     body.check()?;
     let caller = state.auth.authenticate(&headers, peer).await?;
-    let address = RunAddress { server_instance_id: body.server_instance_id, component_kind: body.component_kind };
+    let address =
+        RunAddress { server_instance_id: body.server_instance_id.clone(), component_kind: body.component_kind.clone() };
     // One refusal for "no such RunSession", "not yours" and "another tenant's": it names
     // only what the caller said.
     let refused = || {
@@ -279,9 +350,236 @@ pub async fn enqueue(
     if !state.auth.allowed(&caller, "update", RESOURCE, namespace, Some(name)).await? {
         return Err(refused());
     }
-    let payload = if body.payload.is_null() { json!({}) } else { body.payload };
-    let job = state.registry.jobs.enqueue(namespace, &address, body.kind, &payload).await?;
-    Ok((StatusCode::CREATED, Json(job)))
+    // A fence reads the election: the caller must be allowed to read it there, before
+    // the project is looked up.
+    if let Some(f) = &body.fence {
+        state.auth.authorize(&caller, "get", super::agents::RESOURCE, &f.namespace).await?;
+    }
+    enqueued(state.registry.jobs.enqueue(namespace, &address, &body.new_job()).await?)
+}
+
+/// An enqueue's answer: 201 new, 200 the first job of its key, or the 409 that refused it.
+pub fn enqueued(done: Enqueued) -> Result<(StatusCode, Json<Job>), ApiError> {
+    match done {
+        Enqueued::Created(job) => Ok((StatusCode::CREATED, Json(job))),
+        Enqueued::Existing(job) => Ok((StatusCode::OK, Json(job))),
+        Enqueued::IdempotencyConflict => Err(ApiError::conflict(
+            "idempotency_conflict",
+            "this idempotency_key was used within 24 h with another request",
+        )),
+        Enqueued::StaleTerm => {
+            Err(ApiError::conflict("stale_term", "the fence's term is not its project's current master term"))
+        }
+    }
+}
+
+/// Where a job is read or cancelled: the namespace the caller is authorized in.
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct JobQuery {
+    /// The namespace that owns the job (its RunSession's).
+    #[param(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+    namespace: String,
+}
+
+/// Read one job
+///
+/// The caller must be allowed to `get` RunSessions in `namespace`; without that, the
+/// same 403 whether or not the job exists.
+#[utoipa::path(
+    get,
+    path = "/api/v1/runtime/jobs/{id}",
+    tag = "runtime",
+    params(("id" = Uuid, Path, description = "The job id"), JobQuery),
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "The job", body = Job),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub async fn get_job(
+    State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
+    headers: HeaderMap,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<JobQuery>,
+) -> Result<Json<Job>, ApiError> {
+    let id = job_id(&id)?;
+    check_namespace(&q.namespace)?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
+    state.auth.authorize(&caller, "get", RESOURCE, &q.namespace).await?;
+    match state.registry.jobs.get(&q.namespace, id).await? {
+        Some(job) => Ok(Json(job)),
+        None => Err(job_not_found(id, &q.namespace)),
+    }
+}
+
+fn job_not_found(id: Uuid, namespace: &str) -> ApiError {
+    ApiError::not_found("job_not_found", format!("no job {id} in namespace {namespace}"))
+}
+
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct JobListQuery {
+    /// The namespace whose jobs to list.
+    #[param(max_length = 63, pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+    namespace: String,
+    #[param(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$")]
+    server_instance_id: Option<String>,
+    #[param(min_length = 1, max_length = 63, pattern = "^[a-z0-9-]+$")]
+    component_kind: Option<String>,
+    #[param(inline)]
+    state: Option<JobState>,
+    /// Jobs per page, 1-500 (default 100).
+    #[param(minimum = 1, maximum = 500)]
+    limit: Option<i64>,
+    /// The `next_cursor` of the page before.
+    #[param(max_length = 200)]
+    after: Option<String>,
+}
+
+/// A page of jobs, newest first.
+#[derive(Serialize, Deserialize, ToSchema)]
+pub struct JobPage {
+    pub jobs: Vec<Job>,
+    /// Pass as `after` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// List a namespace's jobs
+///
+/// Newest first, filtered, in pages (keyset: `after` is the `next_cursor` of the page
+/// before). The caller must be allowed to `list` RunSessions in `namespace`.
+#[utoipa::path(
+    get,
+    path = "/api/v1/runtime/jobs",
+    tag = "runtime",
+    params(JobListQuery),
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "A page of jobs", body = JobPage),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub async fn list_jobs(
+    State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
+    headers: HeaderMap,
+    ApiQuery(q): ApiQuery<JobListQuery>,
+) -> Result<Json<JobPage>, ApiError> {
+    check_namespace(&q.namespace)?;
+    if let Some(s) = &q.server_instance_id
+        && !server_instance_id_ok(s)
+    {
+        return Err(ApiError::invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]"));
+    }
+    if let Some(c) = &q.component_kind
+        && !crate::run_registry::service::component_kind_ok(c)
+    {
+        return Err(ApiError::invalid("component_kind: 1-63 characters of [a-z0-9-]"));
+    }
+    let limit = q.limit.unwrap_or(100);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::invalid(format!("limit must be 1 to {MAX_PAGE}")));
+    }
+    let after = match &q.after {
+        Some(c) => Some(Cursor::decode(c).ok_or_else(|| ApiError::invalid("after: not a cursor this API gave"))?),
+        None => None,
+    };
+    let caller = state.auth.authenticate(&headers, peer).await?;
+    state.auth.authorize(&caller, "list", RESOURCE, &q.namespace).await?;
+    let filter =
+        JobFilter { server_instance_id: q.server_instance_id, component_kind: q.component_kind, state: q.state };
+    let (jobs, next) = state.registry.jobs.list(&q.namespace, &filter, limit, after).await?;
+    Ok(Json(JobPage { jobs, next_cursor: next.map(|c| c.encode()) }))
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CancelBody {
+    /// Why (kept as the job's `cancel_reason`; default `cancel_requested`).
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$")]
+    reason: Option<String>,
+}
+
+impl CancelBody {
+    /// The reason a body (maybe empty) gives, checked.
+    pub fn reason_of(body: &[u8]) -> Result<Option<String>, ApiError> {
+        let reason = optional_json::<CancelBody>(body)?.and_then(|b| b.reason);
+        if let Some(r) = &reason {
+            check_identifier("reason", r, MAX_REASON_CHARS)?;
+        }
+        Ok(reason)
+    }
+}
+
+/// Cancel a job
+///
+/// A queued job is cancelled at once (200). One in flight gets a cancel request (202):
+/// its Run is told (heartbeat `cancel`, step answers `cancel_requested`) and completes it
+/// as `cancelled`; after `PRISM_JOB_CANCEL_GRACE_SECONDS` it is cancelled anyway. A
+/// finished job: 409 `job_finished`. The caller must be allowed to `update` RunSessions
+/// in `namespace`; without that, the same 403 whether or not the job exists.
+#[utoipa::path(
+    post,
+    path = "/api/v1/runtime/jobs/{id}/cancel",
+    tag = "runtime",
+    params(("id" = Uuid, Path, description = "The job id"), JobQuery),
+    request_body(content = Option<CancelBody>, description = "Optional"),
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "Cancelled", body = Job),
+        (status = 202, description = "In flight: cancel requested, the Run is told", body = Job),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 404, response = NotFound),
+        (status = 409, response = Conflict),
+        (status = 413, response = TooLarge),
+        (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub async fn cancel_job(
+    State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
+    headers: HeaderMap,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<JobQuery>,
+    ApiBody(body): ApiBody,
+) -> Result<(StatusCode, Json<Job>), ApiError> {
+    let id = job_id(&id)?;
+    check_namespace(&q.namespace)?;
+    let reason = CancelBody::reason_of(&body)?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
+    state.auth.authorize(&caller, "update", RESOURCE, &q.namespace).await?;
+    match state.registry.jobs.cancel(&q.namespace, id, reason.as_deref()).await? {
+        Some(Cancel::Cancelled(job)) => Ok((StatusCode::OK, Json(job))),
+        Some(Cancel::Requested(job)) => Ok((StatusCode::ACCEPTED, Json(job))),
+        Some(Cancel::Finished(job)) => Err(job_finished(job.state)),
+        None => Err(job_not_found(id, &q.namespace)),
+    }
+}
+
+fn job_finished(state: JobState) -> ApiError {
+    ApiError::conflict("job_finished", format!("the job is {state}"))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -308,6 +606,8 @@ impl ClaimBody {
 #[derive(Serialize, ToSchema)]
 pub struct Claimed {
     jobs: Vec<Job>,
+    /// Jobs this Run holds whose cancel was requested: stop them (SPEC §5.1).
+    cancel: Vec<Uuid>,
 }
 
 /// Claim the oldest queued jobs of the session's own server/component
@@ -336,9 +636,13 @@ pub async fn claim(
     // No session (Redis down included) means no job is assigned.
     let started = std::time::Instant::now();
     let (address, session) = authenticated(&state, &headers).await?;
-    let jobs = state.registry.claim(&address, &session, max).await?.map_err(session_refused)?;
+    let claim = state.registry.claim(&address, &session, max).await?.map_err(session_refused)?;
     state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
-    Ok(Json(Claimed { jobs }))
+    let now = Utc::now();
+    for job in claim.jobs.iter().filter(|j| j.attempts == 1) {
+        state.metrics.job_dispatch_seconds.observe((now - job.created_at).as_seconds_f64().max(0.0));
+    }
+    Ok(Json(Claimed { jobs: claim.jobs, cancel: claim.cancel }))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -363,6 +667,8 @@ impl ProgressBody {
 pub enum Outcome {
     Succeeded,
     Failed,
+    /// The Run stopped it (asked to, or of its own accord).
+    Cancelled,
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -373,17 +679,37 @@ pub struct CompleteBody {
     #[serde(default)]
     #[schema(value_type = Option<JsonbValue>)]
     result: Option<Value>,
+    /// A failure worth another attempt (default false): queued again after a backoff
+    /// while attempts are left.
+    #[serde(default)]
+    retryable: Option<bool>,
+    /// What went wrong (kept as the job's `last_error`).
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 1024)]
+    error: Option<String>,
 }
 
 impl CompleteBody {
     /// The step and result a body reports, checked.
     pub fn parse(body: &[u8]) -> Result<(Step, Value), ApiError> {
         let b: CompleteBody = optional_json(body)?.ok_or_else(|| {
-            ApiError::invalid("body {\"outcome\": \"succeeded\"|\"failed\", \"result\": {...}} is required")
+            ApiError::invalid(
+                "body {\"outcome\": \"succeeded\"|\"failed\"|\"cancelled\", \"result\": {...}} is required",
+            )
         })?;
         let result = b.result.unwrap_or(json!({}));
         check_jsonb("result", &result).map_err(|e| ApiError::invalid(e.0))?;
-        Ok((Step::Complete { succeeded: matches!(b.outcome, Outcome::Succeeded) }, result))
+        if let Some(e) = &b.error
+            && (e.is_empty() || e.chars().count() > MAX_ERROR_CHARS || e.contains('\0'))
+        {
+            return Err(ApiError::invalid("error must be 1 to 1024 characters without NUL"));
+        }
+        let outcome = match b.outcome {
+            Outcome::Succeeded => JobOutcome::Succeeded,
+            Outcome::Cancelled => JobOutcome::Cancelled,
+            Outcome::Failed => JobOutcome::Failed { retryable: b.retryable.unwrap_or(false), error: b.error },
+        };
+        Ok((Step::Complete(outcome), result))
     }
 }
 
@@ -476,7 +802,17 @@ pub async fn complete(
 ) -> Result<Json<Job>, ApiError> {
     let id = job_id(&id)?;
     let (step, result) = CompleteBody::parse(&body)?;
-    job_step(&state, &headers, id, step, Some(result)).await
+    let job = job_step(&state, &headers, id, step, Some(result)).await?;
+    state.metrics.attempts_ended(
+        match job.state {
+            JobState::Queued => "requeued",
+            JobState::Cancelled => "cancelled",
+            JobState::Failed => "failed",
+            _ => "succeeded",
+        },
+        1,
+    );
+    Ok(job)
 }
 
 fn job_id(id: &str) -> Result<Uuid, ApiError> {
@@ -492,7 +828,7 @@ async fn job_step(
     value: Option<Value>,
 ) -> Result<Json<Job>, ApiError> {
     let (address, session) = authenticated(state, headers).await?;
-    match state.registry.step(&address, &session, id, step, value.as_ref()).await? {
+    match state.registry.step(&address, &session, id, &step, value.as_ref()).await? {
         Ok(job) => Ok(Json(job)),
         Err(StepError::Session(refused)) => Err(session_refused(refused)),
         Err(StepError::Job(StepRefused::NotFound)) => {
@@ -503,6 +839,7 @@ async fn job_step(
             "cross_target",
             "this job is addressed to another server/component",
         )),
+        Err(StepError::Job(StepRefused::Finished(s))) => Err(job_finished(s)),
         Err(StepError::Job(StepRefused::WrongState(s))) => {
             Err(ApiError::conflict("invalid_state", format!("job is {s}")))
         }

@@ -21,8 +21,9 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
             _ = tokio::time::sleep(Duration::from_secs(granted.heartbeat_interval_seconds.max(1))) => {}
         }
         let beat = client.heartbeat().await;
-        if let Err(e) = beat {
-            match e.code() {
+        let mut stop: Vec<uuid::Uuid> = match beat {
+            Ok(answer) => serde_json::from_value(answer["cancel"].clone()).unwrap_or_default(),
+            Err(e) => match e.code() {
                 Some("session_superseded" | "session_expired") => {
                     warn!(error = %e, "session lost; saying hello again");
                     granted = client.hello().await?;
@@ -32,17 +33,23 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
                     warn!(error = %e, "heartbeat failed; retrying");
                     continue;
                 }
-            }
-        }
-        match client.claim(10).await {
-            Ok(jobs) => {
-                for job in jobs {
+            },
+        };
+        match client.claim_and_cancels(10).await {
+            Ok(claimed) => {
+                stop.extend(claimed.cancel);
+                for job in claimed.jobs {
                     info!(job = %job.id, kind = %job.kind, "claimed");
-                    if let Err(e) = client.step(&job.id, "ack", None).await {
-                        warn!(job = %job.id, error = %e, "ack failed; the job returns to the queue at its visibility timeout");
-                        continue;
-                    }
-                    if args.complete_jobs {
+                    let acked = match client.step(&job.id, "ack", None).await {
+                        Ok(acked) => acked,
+                        Err(e) => {
+                            warn!(job = %job.id, error = %e, "ack failed; the job returns to the queue at its visibility timeout");
+                            continue;
+                        }
+                    };
+                    if acked.cancel_requested {
+                        stop.push(job.id);
+                    } else if args.complete_jobs {
                         let result = serde_json::json!({"outcome": "succeeded", "result": {"handled_by": "prism-operator demo-run"}});
                         if let Err(e) = client.step(&job.id, "complete", Some(result)).await {
                             warn!(job = %job.id, error = %e, "complete failed");
@@ -54,6 +61,16 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
                 warn!("runtime registry unavailable; no jobs assigned")
             }
             Err(e) => warn!(error = %e, "claim failed"),
+        }
+        // Honour cancels: the job stops here and is completed as cancelled.
+        stop.sort();
+        stop.dedup();
+        for id in stop {
+            let body = serde_json::json!({"outcome": "cancelled", "result": {"stopped_by": "prism-operator demo-run"}});
+            match client.step(&id, "complete", Some(body)).await {
+                Ok(_) => info!(job = %id, "cancelled as asked"),
+                Err(e) => warn!(job = %id, error = %e, "could not report the cancel"),
+            }
         }
     }
 }

@@ -18,7 +18,7 @@ use crate::reconcilers;
 use crate::reconcilers::status::Written;
 use crate::run_registry::SessionStore;
 use crate::run_registry::identity::IdentityStore;
-use crate::run_registry::jobs::JobStore;
+use crate::run_registry::jobs::{JobSettings, JobStore};
 use crate::run_registry::service::RunRegistry;
 use crate::telemetry::Metrics;
 use crate::transport;
@@ -42,7 +42,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let registry_on = |pool: &sqlx::PgPool| RunRegistry {
         sessions: sessions.clone(),
         identities: IdentityStore::new(pool.clone()),
-        jobs: JobStore::new(pool.clone(), Duration::from_secs(u64::from(args.job_visibility_seconds))),
+        jobs: JobStore::new(
+            pool.clone(),
+            JobSettings {
+                visibility: Duration::from_secs(u64::from(args.job_visibility_seconds)),
+                default_max_attempts: i32::from(args.job_max_attempts),
+                default_timeout_seconds: i32::try_from(args.job_timeout_seconds).unwrap_or(600),
+                cancel_grace: Duration::from_secs(u64::from(args.job_cancel_grace_seconds)),
+            },
+        ),
         default_lease_seconds: args.run_lease_seconds,
     };
     let (api_registry, controller_registry) = (registry_on(&api_pool), registry_on(&controller_pool));

@@ -394,15 +394,26 @@ async fn retain(ctx: &Context, namespace: Option<&str>) -> Result<(), Controller
     Ok(())
 }
 
-/// The job reaper: claimed jobs past their visibility timeout go back to the queue.
+/// The job reaper: attempts past their visibility timeout or deadline end (queued again
+/// after a backoff, or failed for good), and cancels past their grace are carried out.
 pub async fn run_reaper(ctx: Arc<Context>, interval: Duration) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         match ctx.registry.jobs.reap().await {
-            Ok(0) => {}
-            Ok(n) => info!(jobs = n, "visibility timeout: jobs returned to the queue"),
+            Ok(r) if r == Default::default() => {}
+            Ok(r) => {
+                ctx.metrics.attempts_ended("requeued", r.requeued);
+                ctx.metrics.attempts_ended("failed", r.failed);
+                ctx.metrics.attempts_ended("cancelled", r.cancelled);
+                info!(
+                    requeued = r.requeued,
+                    failed = r.failed,
+                    cancelled = r.cancelled,
+                    "job attempts ended by their visibility timeout, deadline or cancel grace"
+                );
+            }
             Err(e) => warn!(error = %e, "job reaper failed; next attempt at the next interval"),
         }
     }

@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::RegistryError;
 use super::identity::{HelloMark, Identity, IdentityStore};
-use super::jobs::{Job, JobStore, Step, StepRefused};
+use super::jobs::{Eligibility, Job, JobStore, Step, StepRefused};
 use super::proof;
 use super::sessions::{HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
 use crate::crd::RunTarget;
@@ -397,18 +397,31 @@ impl RunRegistry {
         self.identities.current_namespace(address, session.epoch).await
     }
 
-    /// Claims up to `max` of the oldest queued jobs of the session's own address, of its
-    /// identity's namespace only.
+    /// Claims up to `max` of the oldest eligible queued jobs of the session's own
+    /// address (the kinds and slots it advertised), of its identity's namespace only;
+    /// with the ids of the jobs it holds whose cancel was requested.
     pub async fn claim(
         &self,
         address: &RunAddress,
         session: &Session,
         max: i64,
-    ) -> Result<Result<Vec<Job>, SessionRefused>, RegistryError> {
+    ) -> Result<Result<Claim, SessionRefused>, RegistryError> {
         let Some(namespace) = self.acting_namespace(address, session).await? else {
             return Ok(Err(SessionRefused::Superseded));
         };
-        Ok(Ok(self.jobs.claim(&namespace, address, session.session_id, max).await?))
+        let eligible = Eligibility::of(&session.capabilities, &session.capacity);
+        let jobs = self.jobs.claim(&namespace, address, session.session_id, max, &eligible).await?;
+        let cancel = self.jobs.cancel_requested(&namespace, address).await?;
+        Ok(Ok(Claim { jobs, cancel }))
+    }
+
+    /// The jobs the session's Run holds whose cancel was requested (its heartbeat
+    /// answer). A session that no longer acts for its identity holds none.
+    pub async fn cancel_requested(&self, address: &RunAddress, session: &Session) -> Result<Vec<Uuid>, RegistryError> {
+        match self.acting_namespace(address, session).await? {
+            Some(namespace) => self.jobs.cancel_requested(&namespace, address).await,
+            None => Ok(vec![]),
+        }
     }
 
     pub async fn step(
@@ -416,7 +429,7 @@ impl RunRegistry {
         address: &RunAddress,
         session: &Session,
         id: Uuid,
-        step: Step,
+        step: &Step,
         body: Option<&Value>,
     ) -> Result<Result<Job, StepError>, RegistryError> {
         let Some(namespace) = self.acting_namespace(address, session).await? else {
@@ -424,6 +437,14 @@ impl RunRegistry {
         };
         Ok(self.jobs.step(&namespace, address, id, step, body).await?.map_err(StepError::Job))
     }
+}
+
+/// A claim's answer: the jobs now the session's, and the ids of those it holds that it
+/// must stop (SPEC §11).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Claim {
+    pub jobs: Vec<Job>,
+    pub cancel: Vec<Uuid>,
 }
 
 /// Why a job step was refused: the session, or the job.
