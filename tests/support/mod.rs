@@ -676,6 +676,12 @@ pub fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, ve
     cp.kubectl_ok(&["create", "token", sa, "-n", namespace, "--audience", AGENT_AUDIENCE]).trim().to_string()
 }
 
+/// One more Role for ServiceAccount `sa` (made by `sa_token`): `verbs` on `resource`.
+pub fn grant(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) {
+    let subject = serde_json::json!({"kind": "ServiceAccount", "name": sa, "namespace": namespace});
+    bind(cp, namespace, &format!("{sa}-{resource}"), subject, resource, verbs, None);
+}
+
 /// The audience agents' tokens are made for, as the README says (SPEC §12).
 pub const AGENT_AUDIENCE: &str = "prism-operator";
 /// The control plane's own audience (its ServiceAccount issuer): what a token made

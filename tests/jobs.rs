@@ -1,0 +1,506 @@
+//! The job lifecycle a platform runs on (SPEC §5.1), end to end: real kube-apiserver,
+//! Postgres and Redis, the operator process, Runs speaking the wire format (SPEC §8) and
+//! a platform speaking the HTTP API with Kubernetes tokens. Each test plays what a user
+//! would meet, races included.
+
+mod support;
+
+use std::time::Duration;
+
+use prism_operator::run_client::RunClient;
+use serde_json::{Value, json};
+use support::{eventually, http};
+
+type World = support::runs::RunWorld;
+
+/// A platform with a token allowed to read, list and update the world's RunSessions.
+struct Platform {
+    base: String,
+    ns: String,
+    token: String,
+}
+
+impl Platform {
+    fn new(w: &World) -> Platform {
+        let token = support::sa_token(w.cp, &w.ns, "platform", "runsessions", &["get", "list", "update"]);
+        Platform { base: w.op.base.clone(), ns: w.ns.clone(), token }
+    }
+
+    fn with_token(&self, token: &str) -> Platform {
+        Platform { base: self.base.clone(), ns: self.ns.clone(), token: token.to_string() }
+    }
+
+    async fn send(&self, req: reqwest::RequestBuilder) -> (u16, Value) {
+        let r = req.bearer_auth(&self.token).send().await.expect("request");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Enqueue for server `server` (component `run`), with `extra` fields merged in.
+    async fn enqueue(&self, server: &str, kind: &str, extra: Value) -> (u16, Value) {
+        let mut body = json!({"namespace": self.ns, "server_instance_id": server, "component_kind": "run",
+                              "kind": kind, "payload": {"n": 1}});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        self.send(http().post(format!("{}/api/v1/runtime/jobs", self.base)).json(&body)).await
+    }
+
+    async fn queued(&self, server: &str, kind: &str, extra: Value) -> Value {
+        let (status, job) = self.enqueue(server, kind, extra).await;
+        assert_eq!(status, 201, "enqueue: {job}");
+        job
+    }
+
+    async fn get(&self, id: &str) -> (u16, Value) {
+        self.send(http().get(format!("{}/api/v1/runtime/jobs/{id}?namespace={}", self.base, self.ns))).await
+    }
+
+    async fn job(&self, id: &str) -> Value {
+        let (status, job) = self.get(id).await;
+        assert_eq!(status, 200, "get {id}: {job}");
+        job
+    }
+
+    async fn list(&self, query: &str) -> (u16, Value) {
+        self.send(http().get(format!("{}/api/v1/runtime/jobs?namespace={}{query}", self.base, self.ns))).await
+    }
+
+    async fn cancel(&self, id: &str, reason: Option<&str>) -> (u16, Value) {
+        let mut req = http().post(format!("{}/api/v1/runtime/jobs/{id}/cancel?namespace={}", self.base, self.ns));
+        if let Some(r) = reason {
+            req = req.json(&json!({"reason": r}));
+        }
+        self.send(req).await
+    }
+}
+
+fn id_of(job: &Value) -> String {
+    job["id"].as_str().expect("job id").to_string()
+}
+
+fn code(body: &Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or("")
+}
+
+async fn started_run(w: &World, name: &str, server: &str) -> RunClient {
+    let mut run = w.run(name, server, None).await;
+    run.hello().await.expect("hello");
+    run
+}
+
+async fn complete(run: &RunClient, id: &str, body: Value) -> Result<Value, (u16, String)> {
+    let id = uuid::Uuid::parse_str(id).expect("uuid");
+    match run.step(&id, "complete", Some(body)).await {
+        Ok(job) => Ok(serde_json::to_value(job).expect("job json")),
+        Err(prism_operator::run_client::ClientError::Refused { status, code, .. }) => Err((status, code)),
+        Err(e) => panic!("complete: {e}"),
+    }
+}
+
+/// §5.1 read: one job and a filtered, keyset-paginated list, newest first, in the §8 shape;
+/// authorized before any lookup (the same 403 for a missing job and another tenant's).
+#[tokio::test]
+async fn jobs_are_read_and_listed_in_pages_and_only_by_their_tenant() {
+    let w = World::start("jobs-read", &[]).await;
+    let p = Platform::new(&w);
+    let _a = w.run("run-a", "srv-a", None).await;
+    let _b = w.run("run-b", "srv-b", None).await;
+    let mut ids = vec![];
+    for i in 0..5 {
+        let server = if i % 2 == 0 { "srv-a" } else { "srv-b" };
+        ids.push(id_of(&p.queued(server, "config", json!({"payload": {"i": i}})).await));
+    }
+    let job = p.job(&ids[0]).await;
+    for field in [
+        "id",
+        "namespace",
+        "server_instance_id",
+        "component_kind",
+        "kind",
+        "payload",
+        "state",
+        "attempts",
+        "max_attempts",
+        "timeout_seconds",
+        "idempotency_key",
+        "fence",
+        "created_at",
+        "claimed_at",
+        "completed_at",
+        "progress",
+        "result",
+        "last_error",
+        "cancel_requested",
+        "cancel_reason",
+    ] {
+        assert!(job.get(field).is_some(), "the job shape has {field}: {job}");
+    }
+    assert_eq!(
+        (job["state"].as_str(), job["attempts"].as_i64(), job["max_attempts"].as_i64()),
+        (Some("queued"), Some(0), Some(3))
+    );
+    assert_eq!(job["timeout_seconds"], 600);
+    assert_eq!(job["cancel_requested"], false);
+
+    // Newest first, two per page, every job once.
+    let mut seen = vec![];
+    let mut after = String::new();
+    loop {
+        let (status, page) = p.list(&format!("&limit=2{after}")).await;
+        assert_eq!(status, 200, "{page}");
+        let jobs = page["jobs"].as_array().expect("jobs");
+        assert!(jobs.len() <= 2);
+        seen.extend(jobs.iter().map(id_of));
+        match page["next_cursor"].as_str() {
+            Some(c) => after = format!("&after={c}"),
+            None => break,
+        }
+    }
+    let newest_first: Vec<String> = ids.iter().rev().cloned().collect();
+    assert_eq!(seen, newest_first);
+    let (_, a_only) = p.list("&server_instance_id=srv-a&state=queued").await;
+    assert_eq!(a_only["jobs"].as_array().map(Vec::len), Some(3));
+    let (_, none) = p.list("&state=succeeded").await;
+    assert_eq!(none["jobs"].as_array().map(Vec::len), Some(0));
+    assert_eq!(p.list("&state=bogus").await.0, 400, "an unknown state is refused");
+    assert_eq!(p.list("&limit=501").await.0, 422);
+    assert_eq!(code(&p.list("&after=not-a-cursor").await.1), "invalid_request");
+
+    // A tenant of another namespace, with full rights there: 403 for this namespace's
+    // jobs, the same for a job id that exists nowhere; nothing of the job in the answer.
+    let other_ns = support::namespace(&w.client, "jobs-other").await;
+    let outsider = support::sa_token(w.cp, &other_ns, "platform", "runsessions", &["get", "list", "update"]);
+    let outsider = p.with_token(&outsider);
+    let (s1, b1) = outsider.get(&ids[0]).await;
+    let (s2, b2) = outsider.get(&uuid::Uuid::new_v4().to_string()).await;
+    assert_eq!((s1, code(&b1)), (403, "forbidden"));
+    assert_eq!((s2, code(&b2)), (403, "forbidden"));
+    assert_eq!(outsider.list("").await.0, 403);
+    let (s3, b3) = outsider.cancel(&ids[0], None).await;
+    assert_eq!((s3, code(&b3)), (403, "forbidden"));
+    assert!(!b1.to_string().contains("srv-a") && !b3.to_string().contains("srv-a"));
+    assert_eq!(p.job(&ids[0]).await["state"], "queued", "a refused cancel changes nothing");
+    // Asking for its own namespace, the outsider sees no job of this one.
+    let own = Platform { base: p.base.clone(), ns: other_ns.clone(), token: outsider.token.clone() };
+    assert_eq!(own.get(&ids[0]).await.0, 404);
+    assert_eq!(own.list("").await.1["jobs"].as_array().map(Vec::len), Some(0));
+    // Read-only: may read, may not cancel.
+    let reader = p.with_token(&support::sa_token(w.cp, &w.ns, "reader", "runsessions", &["get", "list"]));
+    assert_eq!(reader.get(&ids[0]).await.0, 200);
+    assert_eq!(reader.cancel(&ids[0], None).await.0, 403);
+}
+
+/// §5.1 cancel: queued at once; in flight through the Run (heartbeat `cancel`, step
+/// `cancel_requested`, claim `cancel`), which completes it `cancelled`; past the grace it
+/// is cancelled anyway and the Run's later steps are 409 `job_finished`.
+#[tokio::test]
+async fn cancels_reach_the_run_and_the_grace_ends_them_anyway() {
+    let w = World::start("jobs-cancel", &[("PRISM_JOB_CANCEL_GRACE_SECONDS", "3")]).await;
+    let p = Platform::new(&w);
+    let run = started_run(&w, "run-a", "srv-a").await;
+
+    let queued = id_of(&p.queued("srv-a", "config", json!({})).await);
+    let (status, job) = p.cancel(&queued, Some("not needed any more")).await;
+    assert_eq!((status, job["state"].as_str()), (200, Some("cancelled")), "{job}");
+    assert_eq!(job["cancel_reason"], "not needed any more");
+    assert_eq!(code(&p.cancel(&queued, None).await.1), "job_finished");
+    assert!(run.claim(10).await.expect("claim").is_empty(), "a cancelled job is never claimed");
+
+    // In flight: asked, told, honoured.
+    let honoured = id_of(&p.queued("srv-a", "config", json!({})).await);
+    let claimed = run.claim(1).await.expect("claim");
+    assert_eq!(claimed.len(), 1);
+    run.step(&claimed[0].id, "ack", None).await.expect("ack");
+    let (status, job) = p.cancel(&honoured, None).await;
+    assert_eq!((status, job["state"].as_str(), job["cancel_requested"].as_bool()), (202, Some("running"), Some(true)));
+    let beat = run.heartbeat().await.expect("heartbeat");
+    assert_eq!(beat["cancel"], json!([honoured]), "the heartbeat answer names it");
+    let progressed =
+        run.step(&claimed[0].id, "progress", Some(json!({"progress": {"pct": 50}}))).await.expect("progress");
+    assert!(progressed.cancel_requested, "every step answer says so");
+    assert_eq!(run.claim_and_cancels(1).await.expect("claim").cancel.len(), 1, "and the claim answer");
+    let done = complete(&run, &honoured, json!({"outcome": "cancelled"})).await.expect("complete as cancelled");
+    assert_eq!((done["state"].as_str(), done["cancel_reason"].as_str()), (Some("cancelled"), Some("cancel_requested")));
+    assert_eq!(run.heartbeat().await.expect("heartbeat")["cancel"], json!([]));
+
+    // In flight and ignored: cancelled anyway after the grace; the Run's late steps 409.
+    let ignored = id_of(&p.queued("srv-a", "config", json!({})).await);
+    let claimed = run.claim(1).await.expect("claim");
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(p.cancel(&ignored, None).await.0, 202);
+    let job = eventually(10, "cancelled after the grace", || async {
+        let job = p.job(&ignored).await;
+        (job["state"] == "cancelled").then_some(job)
+    })
+    .await;
+    assert!(job["completed_at"].is_string());
+    let late = complete(&run, &ignored, json!({"outcome": "succeeded"})).await;
+    assert_eq!(late, Err((409, "job_finished".to_string())));
+    let (status, body) = p.cancel(&ignored, None).await;
+    assert_eq!((status, code(&body)), (409, "job_finished"));
+}
+
+/// A cancel and a complete of one running job at the same instant: exactly one wins and
+/// the other is told (the job ends once, in the state the winner gave it).
+#[tokio::test]
+async fn cancel_and_complete_at_the_same_instant_end_the_job_once() {
+    let w = World::start("jobs-race", &[("PRISM_JOB_CANCEL_GRACE_SECONDS", "1")]).await;
+    let p = Platform::new(&w);
+    let run = started_run(&w, "run-a", "srv-a").await;
+    let mut outcomes = std::collections::BTreeMap::<String, u32>::new();
+    for _ in 0..20 {
+        let id = id_of(&p.queued("srv-a", "config", json!({})).await);
+        assert_eq!(run.claim(1).await.expect("claim").len(), 1);
+        // The queued case: a claim and a cancel racing for a queued job.
+        let (cancel, done) = tokio::join!(
+            p.cancel(&id, None),
+            complete(&run, &id, json!({"outcome": "succeeded", "result": {"ok": 1}}))
+        );
+        let job = p.job(&id).await;
+        match (&done, cancel.0) {
+            // The Run finished first: the cancel is told the job is finished.
+            (Ok(d), 409) => {
+                assert_eq!((d["state"].as_str(), job["state"].as_str()), (Some("succeeded"), Some("succeeded")));
+                assert_eq!(code(&cancel.1), "job_finished");
+            }
+            // The cancel was asked first: the Run's answer carries the request; the job
+            // succeeded (the work was done), and the request had nothing left to stop.
+            (Ok(d), 202) => {
+                assert_eq!((d["state"].as_str(), job["state"].as_str()), (Some("succeeded"), Some("succeeded")))
+            }
+            other => panic!("unexpected race result {other:?} {cancel:?}"),
+        }
+        *outcomes.entry(format!("{}", cancel.0)).or_default() += 1;
+        let events: Vec<(String,)> =
+            sqlx::query_as("SELECT state FROM runtime_job_events WHERE job_id = $1::uuid AND state IN ('succeeded','failed','cancelled')")
+                .bind(&id)
+                .fetch_all(&w.db.pool)
+                .await
+                .expect("events");
+        assert_eq!(events.len(), 1, "the job ended exactly once");
+    }
+    // Past the grace, the cancel wins and the Run is told: the same race from its side.
+    let id = id_of(&p.queued("srv-a", "config", json!({})).await);
+    assert_eq!(run.claim(1).await.expect("claim").len(), 1);
+    assert_eq!(p.cancel(&id, None).await.0, 202);
+    eventually(10, "cancelled", || async { (p.job(&id).await["state"] == "cancelled").then_some(()) }).await;
+    assert_eq!(complete(&run, &id, json!({"outcome": "succeeded"})).await, Err((409, "job_finished".into())));
+    println!("cancel answers in the race: {outcomes:?}");
+}
+
+/// §5.1 bounded attempts: a Run that dies mid-job (never completes) has its attempt end
+/// by the visibility timeout; after `max_attempts` the job is `failed` for good with its
+/// last error kept, and never claimed again. A retryable failure is retried after a
+/// backoff; a deadline ends an attempt that keeps progressing.
+#[tokio::test]
+async fn attempts_are_bounded_and_end_by_timeout_deadline_or_failure() {
+    let w = World::start("jobs-attempts", &[("PRISM_JOB_VISIBILITY_SECONDS", "1")]).await;
+    let p = Platform::new(&w);
+    let run = started_run(&w, "run-a", "srv-a").await;
+
+    // Killed mid-job, twice.
+    let id = id_of(&p.queued("srv-a", "config", json!({"max_attempts": 2})).await);
+    let claim_it = || async {
+        eventually(15, "claimed again after the backoff", || async {
+            let jobs = run.claim(1).await.ok()?;
+            (jobs.len() == 1).then(|| jobs[0].clone())
+        })
+        .await
+    };
+    let first = claim_it().await;
+    assert_eq!(first.attempts, 1);
+    let requeued = eventually(10, "the silent attempt ends", || async {
+        let job = p.job(&id).await;
+        (job["state"] == "queued").then_some(job)
+    })
+    .await;
+    assert_eq!(requeued["last_error"], "visibility_timeout");
+    let second = claim_it().await;
+    assert_eq!(second.attempts, 2);
+    let failed = eventually(10, "the last attempt ends", || async {
+        let job = p.job(&id).await;
+        (job["state"] == "failed").then_some(job)
+    })
+    .await;
+    assert_eq!((failed["attempts"].as_i64(), failed["last_error"].as_str()), (Some(2), Some("visibility_timeout")));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(run.claim(10).await.expect("claim").is_empty(), "a failed job is never claimed again");
+    let claims: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM runtime_job_events WHERE job_id = $1::uuid AND state = 'claimed'")
+            .bind(&id)
+            .fetch_one(&w.db.pool)
+            .await
+            .expect("count");
+    assert_eq!(claims, 2, "claimed exactly max_attempts times");
+
+    // A retryable failure: back to the queue after a backoff (2 s ± 20 %), the error kept.
+    let id = id_of(&p.queued("srv-a", "config", json!({"max_attempts": 3})).await);
+    let job = claim_it().await;
+    let failed_at = std::time::Instant::now();
+    let retry =
+        complete(&run, &id, json!({"outcome": "failed", "retryable": true, "error": "disk full"})).await.expect("fail");
+    assert_eq!((retry["state"].as_str(), retry["last_error"].as_str()), (Some("queued"), Some("disk full")));
+    assert!(run.claim(1).await.expect("claim").is_empty(), "not before its backoff");
+    let again = claim_it().await;
+    assert!(failed_at.elapsed() >= Duration::from_millis(1500), "the backoff held {:?}", failed_at.elapsed());
+    assert_eq!((again.id, again.attempts), (job.id, 2));
+    // Not retryable: failed for good at once, attempts left or not.
+    let done = complete(&run, &id, json!({"outcome": "failed", "error": "bad config"})).await.expect("fail");
+    assert_eq!((done["state"].as_str(), done["last_error"].as_str()), (Some("failed"), Some("bad config")));
+
+    // A deadline: the attempt keeps progressing (so the visibility timeout never runs
+    // out) but passes its timeout_seconds.
+    let id = id_of(&p.queued("srv-a", "config", json!({"timeout_seconds": 2, "max_attempts": 1})).await);
+    let job = claim_it().await;
+    let ended = eventually(10, "the deadline ends the attempt", || async {
+        let _ = run.step(&job.id, "progress", Some(json!({"progress": {"alive": true}}))).await;
+        let j = p.job(&id).await;
+        (j["state"] == "failed").then_some(j)
+    })
+    .await;
+    assert_eq!(ended["last_error"], "deadline_exceeded");
+    assert_eq!(complete(&run, &id, json!({"outcome": "succeeded"})).await, Err((409, "job_finished".into())));
+
+    // Bad options change nothing.
+    for bad in [
+        json!({"max_attempts": 0}),
+        json!({"max_attempts": 101}),
+        json!({"timeout_seconds": 0}),
+        json!({"timeout_seconds": 86401}),
+        json!({"idempotency_key": "has space"}),
+    ] {
+        let (status, body) = p.enqueue("srv-a", "config", bad.clone()).await;
+        assert_eq!((status, code(&body)), (422, "invalid_request"), "{bad}");
+    }
+}
+
+/// §5.1 idempotent enqueue: 20 concurrent identical requests make one job (one 201, the
+/// rest 200 with it); the key with another body is 409 `idempotency_conflict`.
+#[tokio::test]
+async fn an_idempotent_enqueue_from_20_callers_makes_one_job() {
+    let w = World::start("jobs-idem", &[]).await;
+    let p = Platform::new(&w);
+    let _run = w.run("run-a", "srv-a", None).await;
+    let body = json!({"idempotency_key": "deploy-42", "payload": {"version": "1.2.3", "steps": [1, 2]}});
+    let answers = futures::future::join_all((0..20).map(|_| p.enqueue("srv-a", "lifecycle", body.clone()))).await;
+    let created = answers.iter().filter(|(s, _)| *s == 201).count();
+    let repeated = answers.iter().filter(|(s, _)| *s == 200).count();
+    assert_eq!((created, repeated), (1, 19), "{answers:?}");
+    let ids: std::collections::BTreeSet<String> = answers.iter().map(|(_, j)| id_of(j)).collect();
+    assert_eq!(ids.len(), 1, "every answer is the same job");
+    assert_eq!(answers[0].1["idempotency_key"], "deploy-42");
+    let (_, page) = p.list("").await;
+    assert_eq!(page["jobs"].as_array().map(Vec::len), Some(1));
+    // The same request with its keys in another order is the same request.
+    let reordered = json!({"payload": {"steps": [1, 2], "version": "1.2.3"}, "idempotency_key": "deploy-42"});
+    assert_eq!(p.enqueue("srv-a", "lifecycle", reordered).await.0, 200);
+    // Another body: 409, and nothing queued.
+    let (status, err) =
+        p.enqueue("srv-a", "lifecycle", json!({"idempotency_key": "deploy-42", "payload": {"version": "2"}})).await;
+    assert_eq!((status, code(&err)), (409, "idempotency_conflict"));
+    assert_eq!(p.list("").await.1["jobs"].as_array().map(Vec::len), Some(1));
+    // The key answers in whatever state its job is.
+    let id = ids.into_iter().next().expect("id");
+    assert_eq!(p.cancel(&id, None).await.0, 200);
+    let (status, job) = p.enqueue("srv-a", "lifecycle", body).await;
+    assert_eq!((status, job["state"].as_str()), (200, Some("cancelled")));
+}
+
+/// §5.1 eligibility: a session gets only kinds it advertised and never more jobs in
+/// flight than its `capacity.slots`, oldest first, even under concurrent claims.
+#[tokio::test]
+async fn claims_respect_kinds_and_slots_under_concurrent_claims() {
+    let w = World::start("jobs-eligible", &[]).await;
+    let p = Platform::new(&w);
+    let mut run = w.run("run-a", "srv-a", None).await;
+    run.capabilities = vec!["config".into(), "file".into()];
+    run.capacity = [("slots".to_string(), 3)].into();
+    run.hello().await.expect("hello");
+    let log = id_of(&p.queued("srv-a", "log", json!({})).await);
+    let mut oldest_first = vec![];
+    for _ in 0..10 {
+        oldest_first.push(id_of(&p.queued("srv-a", "config", json!({})).await));
+    }
+    let claims = futures::future::join_all((0..8).map(|_| run.claim(5))).await;
+    let claimed: Vec<String> = claims.into_iter().flat_map(|c| c.expect("claim")).map(|j| j.id.to_string()).collect();
+    assert_eq!(claimed.len(), 3, "at most 3 slots in flight: {claimed:?}");
+    let mut sorted = claimed.clone();
+    sorted.sort_by_key(|id| oldest_first.iter().position(|o| o == id));
+    assert_eq!(sorted, oldest_first[..3].to_vec(), "the oldest three");
+    // A slot frees when a job completes.
+    complete(&run, &claimed[0], json!({"outcome": "succeeded"})).await.expect("complete");
+    let next = run.claim(5).await.expect("claim");
+    assert_eq!(next.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), vec![oldest_first[3].clone()]);
+    // The log job stays queued for a Run that can do it.
+    assert_eq!(p.job(&log).await["state"], "queued");
+    // A heartbeat that advertises `log` and more slots makes it eligible.
+    run.capabilities = vec!["log".into()];
+    run.capacity = [("slots".to_string(), 10)].into();
+    run.heartbeat().await.expect("heartbeat");
+    let logs = run.claim(5).await.expect("claim");
+    assert_eq!(logs.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), vec![log]);
+}
+
+/// §5.1 term-fenced jobs: queued work of a master is cancelled (`stale_term`) in the same
+/// second its term moves on, work in flight gets a cancel request, an enqueue with the old
+/// term is 409 `stale_term`, and a claim never hands out a stale-term job.
+#[tokio::test]
+async fn a_preempted_masters_fenced_work_never_reaches_a_machine() {
+    let w = World::start("jobs-fence", &[]).await;
+    let p = Platform::new(&w);
+    support::grant(w.cp, &w.ns, "platform", "controllerregistrations", &["get"]);
+    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "get", "list", "delete", "update"]);
+    let master = support::register(&w.op, &agent, &w.ns, "P", "codex-1", "codex").await;
+    let term = master["term"].as_i64().expect("term");
+    assert_eq!(master["is_master"], true);
+    let fence = json!({"fence": {"namespace": w.ns, "project_id": "P", "term": term}});
+    let run = started_run(&w, "run-a", "srv-a").await;
+    let in_flight = id_of(&p.queued("srv-a", "config", fence.clone()).await);
+    let claimed = run.claim(1).await.expect("claim");
+    assert_eq!(claimed.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), vec![in_flight.clone()]);
+    let queued: Vec<String> = {
+        let mut ids = vec![];
+        for _ in 0..3 {
+            ids.push(id_of(&p.queued("srv-a", "config", fence.clone()).await));
+        }
+        ids
+    };
+    assert_eq!(p.job(&queued[0]).await["fence"]["term"], term);
+    // Without `get` on registrations there, a fence is refused before it is read.
+    let no_fence_right = p.with_token(&support::sa_token(w.cp, &w.ns, "dispatcher", "runsessions", &["update"]));
+    assert_eq!(no_fence_right.enqueue("srv-a", "config", fence.clone()).await.0, 403);
+    // A stale term is refused at once.
+    let stale = json!({"fence": {"namespace": w.ns, "project_id": "P", "term": term + 7}});
+    let (status, body) = p.enqueue("srv-a", "config", stale).await;
+    assert_eq!((status, code(&body)), (409, "stale_term"));
+
+    // A desktop session preempts the master: the term moves on.
+    let desktop = support::register(&w.op, &agent, &w.ns, "P", "desktop-1", "claude_desktop").await;
+    assert_eq!(desktop["is_master"], true);
+    assert!(desktop["term"].as_i64() > Some(term));
+    // In the same transaction: read right after the preempting register answered.
+    for id in &queued {
+        let job = p.job(id).await;
+        assert_eq!(
+            (job["state"].as_str(), job["cancel_reason"].as_str()),
+            (Some("cancelled"), Some("stale_term")),
+            "{job}"
+        );
+    }
+    let flying = p.job(&in_flight).await;
+    assert_eq!((flying["state"].as_str(), flying["cancel_requested"].as_bool()), (Some("claimed"), Some(true)));
+    assert_eq!(run.heartbeat().await.expect("heartbeat")["cancel"], json!([in_flight]));
+    assert!(run.claim(10).await.expect("claim").is_empty(), "no stale-term job is handed out");
+    let (status, body) = p.enqueue("srv-a", "config", fence).await;
+    assert_eq!((status, code(&body)), (409, "stale_term"), "the old master's new work is refused");
+    // The database's own record: no fenced job was claimed in a term other than its own.
+    let wrong: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM runtime_job_events e JOIN runtime_jobs j ON j.id = e.job_id
+         WHERE e.state = 'claimed' AND j.fence_term IS NOT NULL AND e.project_term IS DISTINCT FROM j.fence_term",
+    )
+    .fetch_one(&w.db.pool)
+    .await
+    .expect("events");
+    assert_eq!(wrong, 0);
+}
