@@ -887,7 +887,9 @@ async fn health_routes_are_snapshots_and_survive_a_saturated_api_pool() {
     let before = statements().await;
     tokio::time::sleep(busy_took).await;
     let idle = statements().await - before;
-    assert!(busy <= idle + 60, "{busy} transactions with 500 health requests, {idle} without");
+    // Backends report their counts up to 10 s late, so the windows differ by tens of
+    // transactions; a route that reached Postgres would add 500 or more.
+    assert!(busy < idle + 250, "{busy} transactions with 500 health requests, {idle} without");
 
     // Saturate the API pool: hold the project's election lock, so the one API connection
     // waits inside a register.
