@@ -504,3 +504,88 @@ async fn a_preempted_masters_fenced_work_never_reaches_a_machine() {
     .expect("events");
     assert_eq!(wrong, 0);
 }
+
+/// §9 `prism_enqueue` / `prism_job` through the official MCP SDK, in both protocol
+/// generations: a master agent queues machine work fenced with its own term; once a
+/// desktop session preempts it, its queued work is cancelled (`stale_term`) and its next
+/// `prism_enqueue` is refused `not_master`; `prism_job` reads the job.
+#[tokio::test]
+async fn a_master_agent_queues_fenced_work_over_mcp_and_a_preempted_one_cannot() {
+    let w = World::start("jobs-mcp", &[]).await;
+    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "get", "list", "delete"]);
+    support::grant(w.cp, &w.ns, "agent", "runsessions", &["get", "update"]);
+    let _run = w.run("run-a", "srv-a", None).await;
+    let url = w.op.url("/mcp");
+    for mode in ["legacy", "modern"] {
+        let project = format!("P-{mode}");
+        let (master, desktop) = (format!("codex-{mode}"), format!("desk-{mode}"));
+        let ns = w.ns.as_str();
+        let enqueue = json!(["prism_enqueue", {"server_instance_id": "srv-a", "component_kind": "run", "kind": "config",
+            "payload": {"deploy": mode}, "session_id": master, "run_namespace": ns, "idempotency_key": format!("k-{mode}"),
+            "namespace": ns}]);
+        let plan = json!([["prism_start", {"project_id": project, "session_id": master, "namespace": ns}], enqueue]);
+        let out = support::mcp_scenario(
+            "calls",
+            mode,
+            &url,
+            &agent,
+            &[("calls", &plan.to_string()), ("client", "codex-mcp-client")],
+        )
+        .await;
+        let start = &out["answers"][0]["structured"];
+        let job = &out["answers"][1]["structured"];
+        assert_eq!(out["answers"][1]["is_error"], false, "{mode}: {}", out["answers"][1]);
+        assert_eq!(start["is_master"], true);
+        assert_eq!(job["fence"], json!({"namespace": ns, "project_id": project, "term": start["term"]}), "{mode}");
+        assert_eq!((job["state"].as_str(), job["role"].as_str()), (Some("queued"), Some("Master")));
+        let id = job["id"].as_str().expect("job id").to_string();
+
+        let preempt = json!([["prism_start", {"project_id": project, "session_id": desktop, "namespace": ns}]]);
+        let out = support::mcp_scenario(
+            "calls",
+            mode,
+            &url,
+            &agent,
+            &[("calls", &preempt.to_string()), ("client", "claude-ai")],
+        )
+        .await;
+        assert_eq!(out["answers"][0]["structured"]["is_master"], true, "the desktop preempts");
+
+        let plan =
+            json!([enqueue, ["prism_job", {"job_id": id, "run_namespace": ns, "session_id": master, "namespace": ns}]]);
+        let out = support::mcp_scenario(
+            "calls",
+            mode,
+            &url,
+            &agent,
+            &[("calls", &plan.to_string()), ("client", "codex-mcp-client")],
+        )
+        .await;
+        let refused = &out["answers"][0];
+        assert_eq!(
+            (refused["is_error"].as_bool(), refused["structured"]["error"]["code"].as_str()),
+            (Some(true), Some("not_master")),
+            "{mode}: {refused}"
+        );
+        let read = &out["answers"][1]["structured"];
+        assert_eq!(
+            (read["state"].as_str(), read["cancel_reason"].as_str()),
+            (Some("cancelled"), Some("stale_term")),
+            "{mode}: {read}"
+        );
+        assert_eq!((read["role"].as_str(), read["you_were_preempted"].as_bool()), (Some("Peer"), Some(true)));
+        assert!(out["answers"][1]["text"].as_str().unwrap_or_default().starts_with("You were preempted"));
+    }
+    // A caller who may not read the job's namespace's RunSessions is refused before the read.
+    let outsider = support::agent_token(w.cp, &w.ns, "outsider", &["create", "get", "list"]);
+    let plan = json!([["prism_job", {"job_id": uuid::Uuid::new_v4().to_string(), "run_namespace": w.ns}]]);
+    let out = support::mcp_scenario(
+        "calls",
+        "modern",
+        &url,
+        &outsider,
+        &[("calls", &plan.to_string()), ("client", "codex-mcp-client")],
+    )
+    .await;
+    assert_eq!(out["answers"][0]["structured"]["error"]["code"], "forbidden");
+}

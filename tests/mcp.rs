@@ -80,7 +80,18 @@ async fn smoke_in(mode: &str) {
 
     let version = if mode == "legacy" { "2025-11-25" } else { "2026-07-28" };
     assert_eq!(out["protocol_versions"], json!([version, version, version]), "{mode}");
-    assert_eq!(out["tools"], json!(["prism_fence", "prism_heartbeat", "prism_start", "prism_status", "prism_wrap"]));
+    assert_eq!(
+        out["tools"],
+        json!([
+            "prism_enqueue",
+            "prism_fence",
+            "prism_heartbeat",
+            "prism_job",
+            "prism_start",
+            "prism_status",
+            "prism_wrap"
+        ])
+    );
     let sessions = &out["sessions"];
     let (s_code, s_codex, s_desk) = (
         sessions["code"].as_str().expect("s"),

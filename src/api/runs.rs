@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::AppState;
 use super::agents::{check_identifier, check_namespace};
-use super::auth::bearer;
+use super::auth::{Caller, bearer};
 use super::docs::JsonbValue;
 use super::docs::{
     BadRequest, Conflict, Forbidden, Internal, Invalid, NotFound, TooLarge, TooManyRequests, Unauthenticated,
@@ -325,44 +325,58 @@ pub async fn enqueue(
     let caller = state.auth.authenticate(&headers, peer).await?;
     let address =
         RunAddress { server_instance_id: body.server_instance_id.clone(), component_kind: body.component_kind.clone() };
+    let (status, job) = enqueue_as(&state, &caller, body.namespace.as_deref(), &address, &body.new_job()).await?;
+    Ok((status, Json(job)))
+}
+
+/// Enqueue by `caller` (HTTP or MCP): authorized on the RunSession of `address` (in
+/// `namespace`, else wherever it is now) before anything of it is told, and on the
+/// fence's registrations before the project is read.
+pub async fn enqueue_as(
+    state: &AppState,
+    caller: &Caller,
+    namespace: Option<&str>,
+    address: &RunAddress,
+    new: &NewJob,
+) -> Result<(StatusCode, Job), ApiError> {
     // One refusal for "no such RunSession", "not yours" and "another tenant's": it names
     // only what the caller said.
     let refused = || {
         ApiError::forbidden(format!(
             "{} may not enqueue jobs for {address}{} (or no RunSession there has this address)",
             caller.username,
-            body.namespace.as_deref().map(|ns| format!(" in namespace {ns}")).unwrap_or_default()
+            namespace.map(|ns| format!(" in namespace {ns}")).unwrap_or_default()
         ))
     };
-    let identity = match &body.namespace {
-        Some(ns) => state.registry.identities.live_in(ns, &address).await?,
-        None => state.registry.identities.live(&address).await?,
+    let identity = match namespace {
+        Some(ns) => state.registry.identities.live_in(ns, address).await?,
+        None => state.registry.identities.live(address).await?,
     };
     let Some(identity) = identity else {
-        if let Some(ns) = &body.namespace
-            && state.auth.allowed(&caller, "update", RESOURCE, ns, None).await?
+        if let Some(ns) = namespace
+            && state.auth.allowed(caller, "update", RESOURCE, ns, None).await?
         {
             return Err(ApiError::not_found("unknown_identity", format!("no RunSession of {ns} has this address")));
         }
         return Err(refused());
     };
     let (namespace, name) = (&identity.spec.namespace, &identity.spec.name);
-    if !state.auth.allowed(&caller, "update", RESOURCE, namespace, Some(name)).await? {
+    if !state.auth.allowed(caller, "update", RESOURCE, namespace, Some(name)).await? {
         return Err(refused());
     }
     // A fence reads the election: the caller must be allowed to read it there, before
     // the project is looked up.
-    if let Some(f) = &body.fence {
-        state.auth.authorize(&caller, "get", super::agents::RESOURCE, &f.namespace).await?;
+    if let Some(f) = &new.fence {
+        state.auth.authorize(caller, "get", super::agents::RESOURCE, &f.namespace).await?;
     }
-    enqueued(state.registry.jobs.enqueue(namespace, &address, &body.new_job()).await?)
+    enqueued(state.registry.jobs.enqueue(namespace, address, new).await?)
 }
 
 /// An enqueue's answer: 201 new, 200 the first job of its key, or the 409 that refused it.
-pub fn enqueued(done: Enqueued) -> Result<(StatusCode, Json<Job>), ApiError> {
+fn enqueued(done: Enqueued) -> Result<(StatusCode, Job), ApiError> {
     match done {
-        Enqueued::Created(job) => Ok((StatusCode::CREATED, Json(job))),
-        Enqueued::Existing(job) => Ok((StatusCode::OK, Json(job))),
+        Enqueued::Created(job) => Ok((StatusCode::CREATED, job)),
+        Enqueued::Existing(job) => Ok((StatusCode::OK, job)),
         Enqueued::IdempotencyConflict => Err(ApiError::conflict(
             "idempotency_conflict",
             "this idempotency_key was used within 24 h with another request",

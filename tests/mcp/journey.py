@@ -49,7 +49,11 @@ async def journey(args: argparse.Namespace, mode: str) -> None:
     ) as desk:
         print(f"{mode}: protocol {code.protocol_version}, project {project}", flush=True)
         tools = sorted(t.name for t in (await code.list_tools()).tools)
-        expect("five prism tools listed", tools == ["prism_fence", "prism_heartbeat", "prism_start", "prism_status", "prism_wrap"], tools)
+        expect(
+            "seven prism tools listed",
+            tools == ["prism_enqueue", "prism_fence", "prism_heartbeat", "prism_job", "prism_start", "prism_status", "prism_wrap"],
+            tools,
+        )
 
         s = structured(await call(code, "prism_start", {"project_id": project, **ns}))
         expect(f"Claude Code joins: Master in namespace {s['namespace']}, session_id minted", s["role"] == "Master" and bool(s["session_id"]), s)

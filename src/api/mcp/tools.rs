@@ -1,4 +1,4 @@
-//! The five tools of SPEC §9 over the agent sessions service: parse, resolve the
+//! The seven tools of SPEC §9 over the agent sessions service: parse, resolve the
 //! namespace, authorize (SubjectAccessReview, as the HTTP API does), heartbeat the
 //! session a call names, call, shape the answer. Refusals and bad input are tool results
 //! with `isError: true` and `{"error": {"code", "message"}}` (the HTTP API's codes); only
@@ -22,9 +22,13 @@ use super::SessionFacts;
 use crate::agent_sessions::{AgentError, HeartbeatReply, RouteEntry};
 use crate::api::agents::{RESOURCE, check_identifier, check_namespace};
 use crate::api::auth::Caller;
+use crate::api::runs::enqueue_as;
 use crate::api::{ApiError, AppState};
 use crate::crd::{AgentSurface, PRINTABLE_PATTERN, Role};
 use crate::election::LiveRole;
+use crate::run_registry::RunAddress;
+use crate::run_registry::jobs::{IDEMPOTENCY_KEY_PATTERN, JobFence, JobKind, NewJob, idempotency_key_ok};
+use crate::run_registry::service::{check_address, check_jsonb};
 
 /// The header that names a call's namespace when its arguments do not.
 pub const NAMESPACE_HEADER: &str = "x-prism-namespace";
@@ -46,11 +50,20 @@ enum ToolName {
     Status,
     Heartbeat,
     Fence,
+    Enqueue,
+    Job,
 }
 
 impl ToolName {
-    const ALL: [ToolName; 5] =
-        [ToolName::Start, ToolName::Wrap, ToolName::Status, ToolName::Heartbeat, ToolName::Fence];
+    const ALL: [ToolName; 7] = [
+        ToolName::Start,
+        ToolName::Wrap,
+        ToolName::Status,
+        ToolName::Heartbeat,
+        ToolName::Fence,
+        ToolName::Enqueue,
+        ToolName::Job,
+    ];
 
     fn as_str(self) -> &'static str {
         match self {
@@ -59,6 +72,8 @@ impl ToolName {
             ToolName::Status => "prism_status",
             ToolName::Heartbeat => "prism_heartbeat",
             ToolName::Fence => "prism_fence",
+            ToolName::Enqueue => "prism_enqueue",
+            ToolName::Job => "prism_job",
         }
     }
 
@@ -72,7 +87,8 @@ impl ToolName {
             ToolName::Start | ToolName::Heartbeat => "create",
             ToolName::Wrap => "delete",
             ToolName::Status => "list",
-            ToolName::Fence => "get",
+            // Enqueue reads the session's term; job reads the session's role (when given).
+            ToolName::Fence | ToolName::Enqueue | ToolName::Job => "get",
         }
     }
 
@@ -122,6 +138,30 @@ impl ToolName {
                 json!({"project_id": project, "term": {"type": "integer", "minimum": 0, "description": "The term prism_start or prism_heartbeat gave you"},
                        "session_id": session(false), "namespace": namespace}),
                 &["project_id", "term"],
+            ),
+            ToolName::Enqueue => (
+                "As master, queue machine work for a Run (a server's component), fenced with your master term: if another session becomes master before a machine claims it, it is cancelled and never runs. Fails with not_master if you are not master. Returns the job; read it later with prism_job.",
+                json!({
+                    "server_instance_id": {"type": "string", "minLength": 1, "maxLength": 253, "pattern": "^[A-Za-z0-9._-]+$", "description": "The server the Run is on"},
+                    "component_kind": {"type": "string", "minLength": 1, "maxLength": 63, "pattern": "^[a-z0-9-]+$", "description": "The Run's component (e.g. run)"},
+                    "kind": {"type": "string", "enum": JobKind::ALL.iter().map(|k| k.as_str()).collect::<Vec<_>>()},
+                    "payload": {"type": "object", "description": "What the Run needs to do the work"},
+                    "session_id": session(true),
+                    "run_namespace": {"type": "string", "maxLength": 63, "description": "The namespace of the RunSession"},
+                    "idempotency_key": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": IDEMPOTENCY_KEY_PATTERN, "description": "Repeat a call with the same key to get the same job instead of a second one"},
+                    "namespace": namespace,
+                }),
+                &["server_instance_id", "component_kind", "kind", "payload", "session_id", "run_namespace"],
+            ),
+            ToolName::Job => (
+                "Read a job: its state (queued, claimed, running, succeeded, failed, cancelled), attempts, progress, result and last error.",
+                json!({
+                    "job_id": {"type": "string", "format": "uuid", "description": "The id prism_enqueue returned"},
+                    "run_namespace": {"type": "string", "maxLength": 63, "description": "The namespace of the job's RunSession"},
+                    "session_id": session(false),
+                    "namespace": namespace,
+                }),
+                &["job_id", "run_namespace"],
             ),
         };
         let schema =
@@ -194,6 +234,28 @@ struct StatusArgs {
 struct FenceArgs {
     project_id: String,
     term: i64,
+    session_id: Option<String>,
+    namespace: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnqueueArgs {
+    server_instance_id: String,
+    component_kind: String,
+    kind: JobKind,
+    payload: JsonObject,
+    session_id: String,
+    run_namespace: String,
+    idempotency_key: Option<String>,
+    namespace: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobArgs {
+    job_id: String,
+    run_namespace: String,
     session_id: Option<String>,
     namespace: Option<String>,
 }
@@ -314,6 +376,8 @@ impl PrismTools {
             ToolName::Status => self.status(arguments(tool, args)?, cx).await,
             ToolName::Heartbeat => self.heartbeat(arguments(tool, args)?, cx).await,
             ToolName::Fence => self.fence(arguments(tool, args)?, cx).await,
+            ToolName::Enqueue => self.enqueue(arguments(tool, args)?, cx).await,
+            ToolName::Job => self.job(arguments(tool, args)?, cx).await,
         }
     }
 
@@ -483,6 +547,98 @@ impl PrismTools {
             content: json!({"project_id": args.project_id, "term": args.term, "master": master}),
             session,
         })
+    }
+}
+
+impl PrismTools {
+    /// SPEC §5.1: machine work fenced with the calling session's master term. Everything
+    /// that can refuse is asked before anything changes; the heartbeat comes last.
+    async fn enqueue(&self, args: EnqueueArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
+        check_identifier("session_id", &args.session_id, 256)?;
+        check_namespace(&args.run_namespace)?;
+        check_address(&args.server_instance_id, &args.component_kind).map_err(|e| ApiError::invalid(e.0))?;
+        let payload = Value::Object(args.payload);
+        check_jsonb("payload", &payload).map_err(|e| ApiError::invalid(e.0))?;
+        if let Some(k) = &args.idempotency_key
+            && !idempotency_key_ok(k)
+        {
+            return Err(ApiError::invalid(format!("idempotency_key must match {IDEMPOTENCY_KEY_PATTERN}")));
+        }
+        let namespace = self.authorize(ToolName::Enqueue, args.namespace, cx).await?;
+        let live = self.state.agents.role(&namespace, &args.session_id).await?;
+        if live.owner.as_deref().is_some_and(|owner| owner != cx.caller.username) {
+            return Err(ApiError::from(AgentError::NotOwned(args.session_id.clone())));
+        }
+        if !live.is_master {
+            return Err(ApiError::conflict(
+                "not_master",
+                format!(
+                    "session {} is not master of project {}: only the master queues work",
+                    args.session_id, live.project_id
+                ),
+            ));
+        }
+        let address = RunAddress { server_instance_id: args.server_instance_id, component_kind: args.component_kind };
+        let new = NewJob {
+            kind: args.kind,
+            payload,
+            max_attempts: None,
+            timeout_seconds: None,
+            idempotency_key: args.idempotency_key,
+            fence: Some(JobFence {
+                namespace: namespace.clone(),
+                project_id: live.project_id.clone(),
+                term: live.project_term,
+            }),
+        };
+        let (status, job) = enqueue_as(&self.state, cx.caller, Some(&args.run_namespace), &address, &new).await?;
+        let session = self.touch(&namespace, &args.session_id, cx).await?;
+        let summary = format!(
+            "{} job {} for {address} (kind {}), fenced with term {} of project {}: it is cancelled if you stop being master before a machine claims it.",
+            if status == axum::http::StatusCode::CREATED { "Queued" } else { "Already queued:" },
+            job.id,
+            job.kind,
+            live.project_term,
+            live.project_id
+        );
+        let content = serde_json::to_value(&job).map_err(|e| ApiError::internal("mcp: enqueue", e))?;
+        Ok(Answer { content, summary, session: Some(session) })
+    }
+
+    /// SPEC §5.1 read, authorized on the job's namespace's RunSessions before the lookup.
+    async fn job(&self, args: JobArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
+        let id = Uuid::parse_str(&args.job_id).map_err(|_| ApiError::invalid("job_id must be a uuid"))?;
+        check_namespace(&args.run_namespace)?;
+        if let Some(s) = &args.session_id {
+            check_identifier("session_id", s, 256)?;
+        }
+        self.state.auth.authorize(cx.caller, "get", "runsessions", &args.run_namespace).await?;
+        let session = match &args.session_id {
+            Some(s) => {
+                let namespace = self.authorize(ToolName::Job, args.namespace, cx).await?;
+                Some(self.touch(&namespace, s, cx).await?)
+            }
+            None => None,
+        };
+        let Some(job) = self.state.registry.jobs.get(&args.run_namespace, id).await? else {
+            return Err(ApiError::not_found(
+                "job_not_found",
+                format!("no job {id} in namespace {}", args.run_namespace),
+            ));
+        };
+        let summary = format!(
+            "Job {} ({} for {}/{}) is {} after {} of {} attempt(s){}.",
+            job.id,
+            job.kind,
+            job.server_instance_id,
+            job.component_kind,
+            job.state,
+            job.attempts,
+            job.max_attempts,
+            job.last_error.as_deref().map(|e| format!("; last error: {e}")).unwrap_or_default()
+        );
+        let content = serde_json::to_value(&job).map_err(|e| ApiError::internal("mcp: job", e))?;
+        Ok(Answer { content, summary, session })
     }
 }
 
