@@ -33,7 +33,11 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    telemetry::init(cli.log.log_format);
+    if matches!(cli.command, Command::Jobs(_)) {
+        telemetry::init_client(cli.log.log_format);
+    } else {
+        telemetry::init(cli.log.log_format);
+    }
     prism_operator::install_crypto_provider();
     match run(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,7 +10,8 @@ use serde_json::{Value, json};
 use support::{ControlPlane, Operator, TestDb, control_plane, eventually};
 
 /// Settings of the environment a test run may carry that no test here wants inherited.
-const INHERITED: [&str; 9] = [
+const INHERITED: [&str; 10] = [
+    "RUST_LOG",
     "DATABASE_URL",
     "REDIS_URL",
     "KUBECONFIG",
@@ -495,7 +496,7 @@ async fn jobs_cancel_of_a_job_in_flight_asks_its_run_over_tls() {
     let mut run = RunClient::new(&w.op.base, JOBS_SERVER, "run", 1, w.key.clone()).with_http(http);
     run.hello().await.expect("hello");
     let claimed = run.claim(1).await.expect("claim");
-    assert_eq!(claimed.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), [id.clone()]);
+    assert_eq!(claimed.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), [id.as_str()]);
 
     let tls = ["--ca-cert", ca.as_str()];
     let with_ca = |args: &[&str]| {
@@ -529,7 +530,7 @@ async fn jobs_cancel_of_a_job_in_flight_asks_its_run_over_tls() {
     // The Run stops it: cancelled, as the list shows.
     run.step(&claimed[0].id, "complete", Some(json!({"outcome": "cancelled"}))).await.expect("complete as cancelled");
     let page = with_ca(&["list", "-n", ns, "--state", "cancelled", "-o", "json"]).json();
-    assert_eq!(ids(&page), [id.clone()]);
+    assert_eq!(ids(&page), [id.as_str()]);
     let again = with_ca(&["cancel", &id, "-n", ns]);
     assert!(again.refused().starts_with("error: job_finished: "), "{}", again.stderr);
     let _ = std::fs::remove_dir_all(&dir);
