@@ -43,6 +43,115 @@ pub enum Command {
         #[arg(short, long, value_enum, default_value = "table")]
         output: OutputFormat,
     },
+    /// Durable jobs of Runs (list, get, cancel), through the operator's HTTP API.
+    #[command(subcommand)]
+    Jobs(JobsCommand),
+}
+
+/// How the CLI reaches the operator's HTTP API (not the Kubernetes API).
+#[derive(Debug, Args)]
+pub struct ApiClientArgs {
+    /// The operator's HTTP API.
+    #[arg(long, env = "PRISM_API", default_value = "http://127.0.0.1:8080")]
+    pub api: String,
+    /// Bearer token: a Kubernetes token for the operator's audience
+    /// (`kubectl create token <serviceaccount> --audience prism-operator`).
+    #[arg(long, env = "PRISM_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// A CA certificate (PEM) to trust beside the system's, for an operator serving TLS
+    /// with a private CA (the chart's Secret has it as `ca.crt`).
+    #[arg(long, env = "PRISM_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
+}
+
+/// The states of a job (SPEC §5.1), as `--state` takes them.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum JobStateArg {
+    Queued,
+    Claimed,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl JobStateArg {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobStateArg::Queued => "queued",
+            JobStateArg::Claimed => "claimed",
+            JobStateArg::Running => "running",
+            JobStateArg::Succeeded => "succeeded",
+            JobStateArg::Failed => "failed",
+            JobStateArg::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobsCommand {
+    /// List a namespace's jobs, newest first.
+    List(JobsListArgs),
+    /// Show one job.
+    Get(JobsGetArgs),
+    /// Cancel a job: a queued one at once, one in flight by telling its Run.
+    Cancel(JobsCancelArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct JobsListArgs {
+    /// Namespace that owns the jobs (the namespace of their RunSession).
+    #[arg(short, long)]
+    pub namespace: String,
+    /// Only jobs for this server instance.
+    #[arg(long = "server", value_name = "SERVER_INSTANCE_ID")]
+    pub server_instance_id: Option<String>,
+    /// Only jobs for this component kind.
+    #[arg(long = "component", value_name = "COMPONENT_KIND")]
+    pub component_kind: Option<String>,
+    /// Only jobs in this state.
+    #[arg(long, value_enum)]
+    pub state: Option<JobStateArg>,
+    /// Jobs per page (default: the API's).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=500))]
+    pub limit: Option<u32>,
+    /// Start after this cursor (the `next_cursor` of an earlier page).
+    #[arg(long, value_name = "CURSOR", conflicts_with = "all")]
+    pub after: Option<String>,
+    /// Follow the cursors to the last page and print every job.
+    #[arg(long)]
+    pub all: bool,
+    #[arg(short, long, value_enum, default_value = "table")]
+    pub output: OutputFormat,
+    #[command(flatten)]
+    pub api: ApiClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct JobsGetArgs {
+    /// The job's id (a uuid).
+    pub id: uuid::Uuid,
+    /// Namespace that owns the job.
+    #[arg(short, long)]
+    pub namespace: String,
+    #[arg(short, long, value_enum, default_value = "table")]
+    pub output: OutputFormat,
+    #[command(flatten)]
+    pub api: ApiClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct JobsCancelArgs {
+    /// The job's id (a uuid).
+    pub id: uuid::Uuid,
+    /// Namespace that owns the job.
+    #[arg(short, long)]
+    pub namespace: String,
+    /// Why (kept as the job's cancel_reason).
+    #[arg(long)]
+    pub reason: Option<String>,
+    #[command(flatten)]
+    pub api: ApiClientArgs,
 }
 
 #[derive(Debug, Subcommand)]
@@ -578,6 +687,49 @@ mod tests {
         assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_TOKEN_AUDIENCES is malformed"));
         let parsed = run_args(&["--token-audiences", "a,b"]).unwrap();
         assert_eq!(parsed.token_audiences, ["a", "b"]);
+    }
+
+    #[test]
+    fn jobs_subcommands_parse_as_the_spec_writes_them() {
+        let parse = |args: &[&str]| {
+            let mut argv = vec!["prism-operator", "jobs"];
+            argv.extend_from_slice(args);
+            Cli::try_parse_from(argv).map(|c| c.command)
+        };
+        let api = ["--api", "https://op.example", "--token", "t0k"];
+        let mut list = vec!["list", "-n", "runtime", "--server", "srv-1", "--component", "run", "--state", "queued"];
+        list.extend(["--limit", "1", "--all", "-o", "json"]);
+        list.extend(api);
+        match parse(&list).unwrap() {
+            Command::Jobs(JobsCommand::List(a)) => {
+                assert_eq!(a.namespace, "runtime");
+                assert_eq!(a.server_instance_id.as_deref(), Some("srv-1"));
+                assert_eq!(a.component_kind.as_deref(), Some("run"));
+                assert_eq!(a.state, Some(JobStateArg::Queued));
+                assert_eq!((a.limit, a.all, a.output), (Some(1), true, OutputFormat::Json));
+                assert_eq!((a.api.api.as_str(), a.api.token.as_str()), ("https://op.example", "t0k"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let id = "7f6c0e2a-8d1b-4c3e-9f00-1a2b3c4d5e6f";
+        match parse(&["cancel", id, "-n", "runtime", "--reason", "no longer needed", "--token", "t"]).unwrap() {
+            Command::Jobs(JobsCommand::Cancel(a)) => {
+                assert_eq!(a.id.to_string(), id);
+                assert_eq!(a.reason.as_deref(), Some("no longer needed"));
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse(&["get", id, "-n", "runtime", "-o", "yaml", "--token", "t"]).unwrap() {
+            Command::Jobs(JobsCommand::Get(a)) => assert_eq!(a.output, OutputFormat::Yaml),
+            other => panic!("{other:?}"),
+        }
+        // Bad input is clap's error, before anything is sent.
+        assert!(parse(&["get", "not-a-uuid", "-n", "runtime", "--token", "t"]).is_err());
+        assert!(parse(&["list", "-n", "runtime", "--state", "done", "--token", "t"]).is_err());
+        assert!(parse(&["list", "-n", "runtime", "--limit", "501", "--token", "t"]).is_err());
+        assert!(parse(&["list", "-n", "runtime", "--limit", "0", "--token", "t"]).is_err());
+        assert!(parse(&["list", "-n", "runtime", "--all", "--after", "c", "--token", "t"]).is_err());
+        assert!(parse(&["list", "--token", "t"]).is_err(), "the namespace is required");
     }
 
     #[test]

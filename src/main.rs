@@ -1,7 +1,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use prism_operator::commands::{credential, demo_run, run as run_cmd, status};
+use prism_operator::commands::{credential, demo_run, jobs, run as run_cmd, status};
 use prism_operator::config::{Cli, Command, CredentialCommand};
 use prism_operator::{crd, db, telemetry};
 
@@ -25,13 +25,19 @@ async fn main() -> ExitCode {
             ) {
                 e.exit();
             }
-            // One line: the first line of clap's message names the bad setting.
+            // One line: the first paragraph of clap's message names the bad setting (a
+            // missing argument is on the lines after the first, the possible values too).
             let msg = e.to_string();
-            eprintln!("{}", msg.lines().next().unwrap_or("error: invalid arguments"));
+            let first: Vec<&str> = msg.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
+            eprintln!("{}", if first.is_empty() { "error: invalid arguments".to_string() } else { first.join(" ") });
             return ExitCode::from(2);
         }
     };
-    telemetry::init(cli.log.log_format);
+    if matches!(cli.command, Command::Jobs(_)) {
+        telemetry::init_client(cli.log.log_format);
+    } else {
+        telemetry::init(cli.log.log_format);
+    }
     prism_operator::install_crypto_provider();
     match run(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
@@ -65,6 +71,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::DemoRun(args) => demo_run::run(args).await?,
         Command::Status { project_id, namespace, output } => status::run(&project_id, namespace, output).await?,
+        Command::Jobs(command) => jobs::run(command).await?,
     }
     Ok(())
 }

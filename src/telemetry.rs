@@ -14,6 +14,20 @@ pub fn init(format: LogFormat) {
     };
 }
 
+/// Logging of a client command (`jobs`): its stdout is its answer (`-o json | jq`) and its
+/// own one-line error says what failed, so libraries' logs (rustls naming a certificate it
+/// refused, say) go to stderr and only when RUST_LOG asks for them.
+pub fn init_client(format: LogFormat) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("off"));
+    let registry = tracing_subscriber::registry().with(filter);
+    let _ = match format {
+        LogFormat::Json => {
+            registry.with(fmt::layer().json().with_current_span(false).with_writer(std::io::stderr)).try_init()
+        }
+        LogFormat::Text => registry.with(fmt::layer().with_target(true).with_writer(std::io::stderr)).try_init(),
+    };
+}
+
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;

@@ -3,5 +3,6 @@
 
 pub mod credential;
 pub mod demo_run;
+pub mod jobs;
 pub mod run;
 pub mod status;

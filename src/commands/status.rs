@@ -10,7 +10,7 @@ use uuid::Uuid;
 use crate::agent_sessions::{RouteEntry, RoutingTable};
 use crate::config::OutputFormat;
 use crate::crd::{ControllerRegistration, ReleaseReason, Role};
-use crate::time::from_k8s;
+use crate::time::{age, from_k8s};
 
 /// The routing table of one project, built from the registrations' status (pure).
 pub fn routing_table(namespace: &str, project_id: &str, regs: &[ControllerRegistration]) -> RoutingTable {
@@ -50,18 +50,6 @@ pub fn routing_table(namespace: &str, project_id: &str, regs: &[ControllerRegist
     }
     table.peers.sort_by(|a, b| a.registered_at.cmp(&b.registered_at).then(a.name.cmp(&b.name)));
     table
-}
-
-fn age(t: DateTime<Utc>, now: DateTime<Utc>) -> String {
-    if t == DateTime::UNIX_EPOCH {
-        return "-".into();
-    }
-    let s = (now - t).num_seconds().max(0);
-    match s {
-        0..=119 => format!("{s}s"),
-        120..=7199 => format!("{}m", s / 60),
-        _ => format!("{}h", s / 3600),
-    }
 }
 
 /// Renders the table as a person reads it.
