@@ -107,3 +107,84 @@ async fn the_checker_names_a_durable_row_that_changed() {
     assert!(line.contains(&format!("run_identities {} changed", ids[1])), "{out}");
     assert_eq!(out.lines().filter(|l| l.starts_with("VIOLATION")).count(), 1, "only that row: {out}");
 }
+
+/// SPEC §10's job invariants, from the rows: a history the database recorded passes; a
+/// second finish, a claim past max_attempts and a fenced claim in another term are each
+/// named.
+#[tokio::test]
+async fn the_checker_names_a_job_finished_twice_claimed_too_often_or_claimed_after_its_term() {
+    let db = TestDb::new().await;
+    let exec = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move { sqlx::query(sql).execute(&pool).await.expect(sql) }
+    };
+    exec("INSERT INTO controller_projects (namespace, project_id, term) VALUES ('ns-inv', 'P', 3)").await;
+    let job = uuid::Uuid::new_v4();
+    let fenced = uuid::Uuid::new_v4();
+    for (id, fence) in [(job, None), (fenced, Some(3i64))] {
+        sqlx::query(
+            "INSERT INTO runtime_jobs (id, namespace, server_instance_id, component_kind, kind, max_attempts,
+                 fence_namespace, fence_project_id, fence_term)
+             VALUES ($1, 'ns-inv', 'srv', 'run', 'config', 2, $2, $3, $4)",
+        )
+        .bind(id)
+        .bind(fence.map(|_| "ns-inv"))
+        .bind(fence.map(|_| "P"))
+        .bind(fence)
+        .execute(&db.pool)
+        .await
+        .expect("job");
+    }
+    // The plain job: claimed, its attempt ends, claimed again, succeeded. Recorded by the
+    // database's own trigger.
+    let claim =
+        "UPDATE runtime_jobs SET state = 'claimed', attempts = attempts + 1, visible_at = now() + interval '1 minute',
+                     deadline_at = now() + interval '1 minute' WHERE id = $1";
+    for step in [
+        claim,
+        "UPDATE runtime_jobs SET state = 'queued', visible_at = NULL, deadline_at = NULL WHERE id = $1",
+        claim,
+        "UPDATE runtime_jobs SET state = 'succeeded', completed_at = now() WHERE id = $1",
+    ] {
+        sqlx::query(step).bind(job).execute(&db.pool).await.expect(step);
+    }
+    let (ok, out) = check(&db.url, &["--namespace-prefix", "ns-inv"]);
+    assert!(ok, "{out}");
+    assert!(out.contains("claims 2"), "{out}");
+    // A finished job cannot be changed: the database refuses it.
+    let revive = sqlx::query("UPDATE runtime_jobs SET state = 'queued', completed_at = NULL WHERE id = $1")
+        .bind(job)
+        .execute(&db.pool)
+        .await;
+    assert!(revive.is_err(), "a finished job stays finished");
+
+    // Forged history: a second finish and a third claim of the plain job.
+    for state in ["succeeded", "claimed"] {
+        sqlx::query("INSERT INTO runtime_job_events (job_id, state, attempts) VALUES ($1, $2, 3)")
+            .bind(job)
+            .bind(state)
+            .execute(&db.pool)
+            .await
+            .expect("forge");
+    }
+    // A fenced claim while its project had moved to term 4 (one change of master, 10 s
+    // before the claim).
+    exec(
+        "INSERT INTO controller_election_events (namespace, project_id, term, master_id, cause, created_at)
+          VALUES ('ns-inv', 'P', 4, gen_random_uuid(), 'elected', now() - interval '10 seconds')",
+    )
+    .await;
+    sqlx::query("INSERT INTO runtime_job_events (job_id, state, attempts, project_term) VALUES ($1, 'claimed', 1, 4)")
+        .bind(fenced)
+        .execute(&db.pool)
+        .await
+        .expect("forge");
+    let (ok, out) = check(&db.url, &["--namespace-prefix", "no-such-namespace-"]);
+    assert!(!ok, "{out}");
+    let violations: Vec<&str> = out.lines().filter(|l| l.starts_with("VIOLATION")).collect();
+    let has = |needle: &str| violations.iter().any(|l| l.contains(&format!("job {job}")) && l.contains(needle));
+    assert!(has("finished 2 times"), "{out}");
+    assert!(has("claimed 3 times, max_attempts 2"), "{out}");
+    assert!(has("changed after it finished"), "{out}");
+    assert!(violations.iter().any(|l| l.contains(&format!("job {fenced}")) && l.contains("fenced to term 3")), "{out}");
+}

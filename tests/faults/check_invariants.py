@@ -14,10 +14,16 @@ lock admitted them):
   * at most one live master at any instant: the masters' intervals are the gaps between
     consecutive rows, so the chain above makes them disjoint; and now, at most one live
     registration has is_master, and it is the project's master, in the project's term.
-Jobs: every job is in a state SPEC §5 allows, finished ones have completed_at, and no job
+Jobs: every job is in a state SPEC §5.1 allows, finished ones have completed_at, and no job
 id appears twice among the completions the load acknowledged (--completions: one job id
 per line, as the load's Runs were told "completed"), each of which is finished in the
-database.
+database. From each job's history of state changes (runtime_job_events, written by the
+database's own trigger) and the election history (SPEC §10):
+  * a job is finished at most once, and nothing follows its finish;
+  * it is claimed at most max_attempts times, and as many times as its attempts say;
+  * a fenced job is never claimed after its term has passed: at each claim its project's
+    master term was the fence's, and no change of master to a later term had been
+    recorded more than 5 s before the claim (a change commits after its row's time).
 Durable rows under Redis faults (SPEC §5, §10: Redis losing data changes no durable row):
 --save-durable FILE writes the rows no Run traffic may change (run_identities, every
 column); --durable-before FILE compares them now with that file and names each row that
@@ -119,15 +125,65 @@ def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, i
 def check_jobs(url: str, completions: str | None, violations: list[str]) -> dict[str, int]:
     states = collections.Counter()
     state_of = {}
-    (jobs,) = snapshot(url, ["SELECT id, state, completed_at FROM runtime_jobs"])
-    for job_id, state, completed_at in jobs:
+    jobs, events, changes = snapshot(
+        url,
+        [
+            "SELECT id, state, completed_at, attempts, max_attempts, fence_namespace, fence_project_id, fence_term "
+            "FROM runtime_jobs",
+            "SELECT job_id, id, state, attempts, project_term, extract(epoch FROM at) FROM runtime_job_events "
+            "ORDER BY job_id, id",
+            "SELECT namespace, project_id, term, extract(epoch FROM created_at) FROM controller_election_events "
+            "WHERE master_id IS NOT NULL",
+        ],
+    )
+    history = collections.defaultdict(list)
+    for job_id, event_id, state, attempts, project_term, at in events:
+        history[job_id].append((int(event_id), state, int(attempts), project_term, float(at)))
+    # When each project's terms began (the row's time; the change commits a little later).
+    began = collections.defaultdict(list)
+    for ns, project, term, at in changes:
+        began[(ns, project)].append((int(term), float(at)))
+    claims_checked = fenced_claims = 0
+    for job_id, state, completed_at, attempts, max_attempts, fence_ns, fence_project, fence_term in jobs:
         states[state] += 1
         state_of[job_id] = state
         if state not in JOB_STATES:
-            violations.append(f"job {job_id}: state {state!r} is not one SPEC §5 allows")
+            violations.append(f"job {job_id}: state {state!r} is not one SPEC §5.1 allows")
         if state in FINISHED and not completed_at:
             violations.append(f"job {job_id}: {state} without completed_at")
-    counts = {"jobs": sum(states.values()), **{f"jobs {s}": n for s, n in sorted(states.items())}}
+        steps = history.get(job_id, [])
+        finishes = [e for e in steps if e[1] in FINISHED]
+        if len(finishes) > 1:
+            violations.append(f"job {job_id}: finished {len(finishes)} times: {finishes}")
+        if finishes and steps[-1] is not finishes[-1]:
+            violations.append(f"job {job_id}: changed after it finished: {steps}")
+        if finishes and finishes[-1][1] != state:
+            violations.append(f"job {job_id}: finished {finishes[-1][1]} by its history, {state} now")
+        claims = [e for e in steps if e[1] == "claimed"]
+        claims_checked += len(claims)
+        if len(claims) > int(max_attempts):
+            violations.append(f"job {job_id}: claimed {len(claims)} times, max_attempts {max_attempts}")
+        if steps and len(claims) != int(attempts):
+            violations.append(f"job {job_id}: {len(claims)} claims in its history, attempts says {attempts}")
+        if fence_term:
+            for _, _, _, project_term, at in claims:
+                fenced_claims += 1
+                if project_term != fence_term:
+                    violations.append(
+                        f"job {job_id}: claimed when its project {fence_ns}/{fence_project} was in term "
+                        f"{project_term or 'none (no master)'}, fenced to term {fence_term}"
+                    )
+                later = [(t, b) for t, b in began.get((fence_ns, fence_project), []) if t > int(fence_term) and b < at - 5]
+                if later:
+                    violations.append(
+                        f"job {job_id}: claimed at {at}, fenced to term {fence_term}, after term {later[0][0]} began at {later[0][1]}"
+                    )
+    counts = {
+        "jobs": sum(states.values()),
+        **{f"jobs {s}": n for s, n in sorted(states.items())},
+        "claims": claims_checked,
+        "fenced claims": fenced_claims,
+    }
     if completions:
         with open(completions, encoding="utf-8") as f:
             acked = collections.Counter(line.strip() for line in f if line.strip())
