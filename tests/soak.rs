@@ -28,7 +28,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -410,17 +410,44 @@ async fn run_process(server: String, key: ed25519_dalek::SigningKey, kill: Arc<A
             }
             let claimed = Instant::now();
             for job in jobs {
-                for (action, body) in [
-                    ("progress", json!({"progress": {"pct": 50}})),
-                    ("complete", json!({"outcome": "succeeded", "result": {"by": server}})),
-                ] {
-                    match run.step(&job.id, action, Some(body)).await {
-                        Ok(_) => {
+                let mode = JobMode::named(job.payload["mode"].as_str().unwrap_or_default());
+                let end = match mode {
+                    // The first attempt fails, worth another.
+                    JobMode::Retry if job.attempts == 1 => {
+                        json!({"outcome": "failed", "retryable": true, "error": "first attempt fails", "result": {}})
+                    }
+                    _ => json!({"outcome": "succeeded", "result": {"by": server}}),
+                };
+                for (action, body) in [("progress", json!({"progress": {"pct": 50}})), ("complete", end)] {
+                    let mut body = body;
+                    if action == "complete" {
+                        match mode {
+                            JobMode::Slow => tokio::time::sleep(Duration::from_millis(2500)).await,
+                            JobMode::Cancel => tokio::time::sleep(Duration::from_millis(600)).await,
+                            _ => {}
+                        }
+                    }
+                    match run.step(&job.id, action, Some(body.clone())).await {
+                        Ok(answer) => {
                             tally.count(&format!("run {action}"), "ok");
                             if action == "complete"
                                 && let Ok(mut c) = ctx.completions.lock()
                             {
                                 c.push(job.id.to_string());
+                            }
+                            // Asked to stop: it stops, and says so.
+                            if action == "progress" && answer.cancel_requested {
+                                body = json!({"outcome": "cancelled"});
+                                match run.step(&job.id, "complete", Some(body)).await {
+                                    Ok(_) => {
+                                        tally.count("run complete cancelled", "ok");
+                                        if let Ok(mut c) = ctx.completions.lock() {
+                                            c.push(job.id.to_string());
+                                        }
+                                    }
+                                    Err(e) => tally.count("run complete cancelled", &refusal_outcome(&e)),
+                                }
+                                break;
                             }
                         }
                         Err(e) => {
@@ -429,10 +456,15 @@ async fn run_process(server: String, key: ed25519_dalek::SigningKey, kill: Arc<A
                             // queue: the job is someone else's turn now.
                             let expired = claimed.elapsed() >= Duration::from_secs(VISIBILITY_SECONDS - 1)
                                 && matches!(&e, ClientError::Refused { status: 409, code, .. } if code == "invalid_state");
+                            // Ended under it: cancelled past its grace, a deadline passed,
+                            // its term moved on, or the visibility timeout ended it for good.
+                            let finished = matches!(&e, ClientError::Refused { status: 409, code, .. } if code == "job_finished")
+                                && (mode != JobMode::Plain
+                                    || claimed.elapsed() >= Duration::from_secs(VISIBILITY_SECONDS - 1));
                             match run_refusal(&e) {
                                 Some(true) => continue 'process,
                                 Some(false) => {}
-                                None if expired => {}
+                                None if expired || finished => {}
                                 None => tally.unexpected(format!("{action} of job {} by {server}: {e}", job.id)),
                             }
                             break;
@@ -440,6 +472,58 @@ async fn run_process(server: String, key: ed25519_dalek::SigningKey, kill: Arc<A
                     }
                 }
             }
+        }
+    }
+}
+
+/// What the dispatcher asks of a job, and so how its Run treats it and where it may end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum JobMode {
+    Plain,
+    /// The first attempt fails retryably; a later one succeeds.
+    Retry,
+    /// Cancelled 400 ms after its enqueue.
+    Cancel,
+    /// Each attempt outlives its 1 s deadline: failed after 2.
+    Slow,
+    /// Enqueued twice with one idempotency key.
+    Idempotent,
+    /// Fenced to a project's term, which the agents' churn moves on.
+    Fenced,
+}
+
+impl JobMode {
+    const ALL: [JobMode; 6] =
+        [JobMode::Plain, JobMode::Retry, JobMode::Cancel, JobMode::Slow, JobMode::Idempotent, JobMode::Fenced];
+
+    fn of(n: u64) -> JobMode {
+        Self::ALL[(n % 6) as usize]
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            JobMode::Plain => "plain",
+            JobMode::Retry => "retry",
+            JobMode::Cancel => "cancel",
+            JobMode::Slow => "slow",
+            JobMode::Idempotent => "idempotent",
+            JobMode::Fenced => "fenced",
+        }
+    }
+
+    fn named(name: &str) -> JobMode {
+        Self::ALL.into_iter().find(|m| m.name() == name).unwrap_or(JobMode::Plain)
+    }
+
+    /// The states a job of this mode may end in, whatever the faults did.
+    fn may_end(self, state: &str, last_error: Option<&str>, cancel_reason: Option<&str>) -> bool {
+        match self {
+            JobMode::Plain | JobMode::Retry | JobMode::Idempotent => state == "succeeded",
+            JobMode::Cancel => state == "cancelled" || state == "succeeded",
+            JobMode::Slow => {
+                state == "failed" && matches!(last_error, Some("deadline_exceeded" | "visibility_timeout"))
+            }
+            JobMode::Fenced => state == "succeeded" || (state == "cancelled" && cancel_reason == Some("stale_term")),
         }
     }
 }
@@ -614,7 +698,9 @@ async fn the_fault_harness() {
     say(&format!("{} replicas behind {base}; Postgres {}, Redis {}", settings.replicas, pg.url, redis.url));
 
     let agent_token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
-    let dispatcher = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "update"]);
+    let dispatcher = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "list", "update"]);
+    // Fenced jobs read the election: the dispatcher may `get` registrations.
+    support::grant(cp, &ns, "dispatcher", "controllerregistrations", &["get"]);
 
     // The Runs' identities, mirrored into Postgres by the leader.
     let runs: Api<RunSession> = Api::namespaced(client.clone(), &ns);
@@ -673,25 +759,96 @@ async fn the_fault_harness() {
         .collect();
     let enqueued = Arc::new(Mutex::new(Vec::<String>::new()));
     let dispatcher_task = {
-        let (base, stop, tally, enqueued, runs) =
-            (base.clone(), stop.clone(), tally.clone(), enqueued.clone(), settings.runs as u64);
+        let (base, stop, tally, enqueued, runs, db) =
+            (base.clone(), stop.clone(), tally.clone(), enqueued.clone(), settings.runs as u64, db.clone());
         tokio::spawn(async move {
             let http = support::http();
             let mut rng = Lcg(seed ^ 0xD15);
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                let body = json!({"server_instance_id": format!("srv-soak-{}", rng.next(runs)), "component_kind": "run",
-                                  "kind": "config", "payload": {"n": n}});
+                let mode = JobMode::of(n);
+                let mut body = json!({"server_instance_id": format!("srv-soak-{}", rng.next(runs)), "component_kind": "run",
+                                      "kind": "config", "payload": {"n": n, "mode": mode.name()}, "max_attempts": 100});
+                match mode {
+                    // One attempt may run 1 s; the Run takes 2.5 s: each attempt passes its
+                    // deadline, and after 2 the job failed for good.
+                    JobMode::Slow => {
+                        body["timeout_seconds"] = json!(1);
+                        body["max_attempts"] = json!(2);
+                    }
+                    JobMode::Idempotent => body["idempotency_key"] = json!(format!("soak-{n}")),
+                    // Fenced with a project's current term, as its master would.
+                    JobMode::Fenced => {
+                        let current: Option<(String, String, i64)> = sqlx::query_as(
+                            "SELECT namespace, project_id, term FROM controller_projects WHERE master_id IS NOT NULL
+                             ORDER BY updated_at DESC LIMIT 1",
+                        )
+                        .fetch_optional(&db)
+                        .await
+                        .ok()
+                        .flatten();
+                        match current {
+                            Some((namespace, project_id, term)) => {
+                                body["fence"] = json!({"namespace": namespace, "project_id": project_id, "term": term})
+                            }
+                            None => body["payload"]["mode"] = json!(JobMode::Plain.name()),
+                        }
+                    }
+                    _ => {}
+                }
                 n += 1;
-                let a = post(&http, format!("{base}/api/v1/runtime/jobs"), &dispatcher, body).await;
+                let a = post(&http, format!("{base}/api/v1/runtime/jobs"), &dispatcher, body.clone()).await;
                 tally.count("enqueue", &outcome(&a));
                 match a {
                     Answer::Ok(job) => {
-                        if let (Some(id), Ok(mut e)) = (job["id"].as_str(), enqueued.lock()) {
-                            e.push(id.to_string());
+                        let id = job["id"].as_str().unwrap_or_default().to_string();
+                        if let Ok(mut e) = enqueued.lock() {
+                            e.push(id.clone());
+                        }
+                        match mode {
+                            // The same request again: the same job, not a second one.
+                            JobMode::Idempotent => {
+                                match post(&http, format!("{base}/api/v1/runtime/jobs"), &dispatcher, body).await {
+                                    Answer::Ok(again) if again["id"] == job["id"] => {
+                                        tally.count("enqueue again", "same job")
+                                    }
+                                    Answer::Ok(again) => {
+                                        tally.unexpected(format!("idempotent enqueue: {id} then {}", again["id"]))
+                                    }
+                                    Answer::Unavailable | Answer::Cut => tally.count("enqueue again", "503 or cut"),
+                                    Answer::Refused(s, c) => {
+                                        tally.unexpected(format!("idempotent enqueue again: {s} {c}"))
+                                    }
+                                }
+                            }
+                            // Cancelled soon after: queued, or in flight (the Run is told).
+                            JobMode::Cancel => {
+                                let (http, tally, base, token) =
+                                    (http.clone(), tally.clone(), base.clone(), dispatcher.clone());
+                                let ns = job["namespace"].as_str().unwrap_or_default().to_string();
+                                tokio::spawn(async move {
+                                    tokio::time::sleep(Duration::from_millis(400)).await;
+                                    let url = format!("{base}/api/v1/runtime/jobs/{id}/cancel?namespace={ns}");
+                                    let sent = http
+                                        .post(url)
+                                        .bearer_auth(&token)
+                                        .timeout(Duration::from_secs(30))
+                                        .send()
+                                        .await;
+                                    let status = sent.as_ref().map(|r| r.status().as_u16()).unwrap_or(0);
+                                    match status {
+                                        200 | 202 | 409 => tally.count("cancel", &status.to_string()),
+                                        0 | 503 => tally.count("cancel", "503 or cut"),
+                                        other => tally.unexpected(format!("cancel of {id}: {other}")),
+                                    }
+                                });
+                            }
+                            _ => {}
                         }
                     }
                     Answer::Unavailable | Answer::Cut => {}
+                    // The fence's term moved on between the read and the enqueue.
+                    Answer::Refused(409, c) if mode == JobMode::Fenced && c == "stale_term" => {}
                     Answer::Refused(s, c) => tally.unexpected(format!("enqueue: {s} {c}")),
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -861,14 +1018,37 @@ async fn the_fault_harness() {
     let rows: HashSet<(String, String)> = rows.into_iter().collect();
     let lost: Vec<_> = acknowledged.iter().filter(|p| !rows.contains(*p)).collect();
     assert!(lost.is_empty(), "acknowledged registrations missing from the database: {lost:?}");
-    let jobs: Vec<(String, String)> =
-        sqlx::query_as("SELECT id::text, state FROM runtime_jobs").fetch_all(&db).await.expect("jobs");
-    let jobs: BTreeMap<String, String> = jobs.into_iter().collect();
-    for id in &enqueued {
-        assert_eq!(jobs.get(id).map(String::as_str), Some("succeeded"), "acknowledged job {id}");
+    // Every job ended where its mode allows (SPEC §5.1): plain, retried and idempotent
+    // ones succeeded, cancelled ones were cancelled (or had finished first), slow ones
+    // failed by their deadline, fenced ones succeeded or were cancelled by a new term.
+    type JobRow = (String, String, String, i32, Option<String>, Option<String>);
+    let jobs: Vec<JobRow> = sqlx::query_as(
+        "SELECT id::text, payload->>'mode', state, attempts, last_error, cancel_reason FROM runtime_jobs",
+    )
+    .fetch_all(&db)
+    .await
+    .expect("jobs");
+    let mut ends: BTreeMap<String, u32> = BTreeMap::new();
+    for (id, mode, state, attempts, last_error, cancel_reason) in &jobs {
+        let mode = JobMode::named(mode);
+        assert!(
+            mode.may_end(state, last_error.as_deref(), cancel_reason.as_deref()),
+            "job {id} ({}) ended {state} after {attempts} attempt(s), last error {last_error:?}, cancel reason {cancel_reason:?}",
+            mode.name()
+        );
+        if mode == JobMode::Retry {
+            assert!(*attempts >= 2, "retried job {id} succeeded at attempt {attempts}");
+        }
+        *ends.entry(format!("{} {state}", mode.name())).or_default() += 1;
     }
-    let states: BTreeSet<&str> = jobs.values().map(String::as_str).collect();
-    assert_eq!(states, BTreeSet::from(["succeeded"]), "every job in the database ended succeeded");
+    say(&format!("jobs by mode and end: {ends:?}"));
+    let ids: HashSet<&str> = jobs.iter().map(|j| j.0.as_str()).collect();
+    for id in &enqueued {
+        assert!(ids.contains(id.as_str()), "acknowledged job {id} is in the database");
+    }
+    for mode in JobMode::ALL {
+        assert!(ends.keys().any(|k| k.starts_with(mode.name())), "no {} job ran: run longer", mode.name());
+    }
 
     // What `kubectl get` shows agrees with the database: at most one Master per project,
     // the project's master; checked once the leader has caught up.
