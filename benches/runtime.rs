@@ -12,7 +12,10 @@
 //!     `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING`
 //!     (target >= 0.5);
 //! (c) seconds from a Run's last heartbeat to `phase: Offline` in its status, 20 Runs,
-//!     5 s lease (target p99 <= lease + 2 s).
+//!     5 s lease (target p99 <= lease + 2 s);
+//! (d) claims/s of the eligibility claim (kinds, slots, term fences; SPEC §5.1) straight
+//!     to Postgres vs the unfiltered raw SKIP LOCKED claim (target >= 1/1.5: within
+//!     1.5x of its cost).
 //!
 //! Redis is a redis-server of the bench's own (nobody else's commands in its counters);
 //! the claims' baseline runs in a Postgres database of its own, so each side's
@@ -36,6 +39,7 @@ use prism_operator::config::RedisEndpoint;
 use prism_operator::crd::{RunPhase, RunSession};
 use prism_operator::run_client::RunClient;
 use prism_operator::run_registry::SessionStore;
+use prism_operator::run_registry::jobs::JobKind;
 
 async fn runs(api: &Api<RunSession>, base: &str, prefix: &str, n: usize, lease: Option<i32>) -> Vec<RunClient> {
     let mut out = Vec::new();
@@ -152,7 +156,14 @@ async fn main() {
 
     // (b) claims, one job per claim: the API's jobs in the operator's database, the
     // baseline's in its own.
-    let claim_runs = Arc::new(runs(&api, &op.base, "cl", CONCURRENCY, None).await);
+    let mut claim_runs = runs(&api, &op.base, "cl", CONCURRENCY, None).await;
+    // They hold every job they claim: no `slots`, so no limit on what is in flight (the
+    // eligibility claim with slots is (d)).
+    for run in &mut claim_runs {
+        run.capacity.clear();
+        run.hello().await.expect("hello without slots");
+    }
+    let claim_runs = Arc::new(claim_runs);
     let fill = |pool: sqlx::PgPool, prefix: &'static str, ns: String| async move {
         sqlx::query(
             "INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind)
@@ -224,6 +235,94 @@ async fn main() {
     println!("    counted, API:     {}", pg_after.0.since(&pg_before.0).per(api_ops, "claim"));
     println!("                      {}", api_redis.per(api_ops, "claim"));
     println!("    counted, raw SQL: {}", pg_after.1.since(&pg_before.1).per(raw_ops, "claim"));
+
+    // (d) the eligibility claim (SPEC §5.1) as the API's store runs it — kinds advertised,
+    // slots, fences checked against the project's term — against the unfiltered raw
+    // SKIP LOCKED claim, both straight to Postgres, one job per claim, on a queue of mixed
+    // kinds with a quarter of the jobs fenced.
+    let el_db = support::TestDb::new().await;
+    let raw2_db = support::TestDb::new().await;
+    for pool in [&el_db.pool, &raw2_db.pool] {
+        sqlx::query("INSERT INTO controller_projects (namespace, project_id, term, master_id) VALUES ($1, 'P', 7, gen_random_uuid())")
+            .bind(&ns)
+            .execute(pool)
+            .await
+            .expect("project");
+        sqlx::query(
+            "INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind,
+                 fence_namespace, fence_project_id, fence_term)
+             SELECT $1, 'el-' || (g % 16), 'run', (ARRAY['config','file','log'])[1 + g % 3],
+                    CASE WHEN g % 4 = 0 THEN $1 END, CASE WHEN g % 4 = 0 THEN 'P' END, CASE WHEN g % 4 = 0 THEN 7 END
+             FROM generate_series(1, 200000) g",
+        )
+        .bind(&ns)
+        .execute(pool)
+        .await
+        .expect("fill");
+        sqlx::query("ANALYZE runtime_jobs").execute(pool).await.expect("analyze");
+    }
+    let store = prism_operator::run_registry::jobs::JobStore::new(el_db.pool.clone(), Default::default());
+    let eligible = prism_operator::run_registry::jobs::Eligibility {
+        kinds: Some(vec![JobKind::Config, JobKind::File]),
+        slots: Some(1_000_000),
+    };
+    let pg_before = settled(&el_db, &raw2_db).await;
+    let sides = interleave(2, rounds(), |side, _| match side {
+        0 => {
+            let (store, eligible, ns) = (store.clone(), eligible.clone(), ns.clone());
+            counted(&counters, move |i, _| {
+                let (store, eligible, ns) = (store.clone(), eligible.clone(), ns.clone());
+                async move {
+                    let address = prism_operator::run_registry::RunAddress {
+                        server_instance_id: format!("el-{i}"),
+                        component_kind: "run".into(),
+                    };
+                    let jobs = store.claim(&ns, &address, uuid::Uuid::nil(), 1, &eligible).await;
+                    jobs.map(|j| j.len() == 1).unwrap_or(false)
+                }
+            })
+            .boxed()
+        }
+        _ => {
+            let (pool, ns) = (raw2_db.pool.clone(), ns.clone());
+            counted(&counters, move |i, _| {
+                let (pool, ns) = (pool.clone(), ns.clone());
+                async move {
+                    let row: Option<(uuid::Uuid,)> = sqlx::query_as(
+                        "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), visible_at = now() + interval '60 seconds',
+                             deadline_at = now() + interval '600 seconds', attempts = attempts + 1
+                         WHERE id IN (SELECT id FROM runtime_jobs
+                                      WHERE namespace = $2 AND server_instance_id = $1 AND component_kind = 'run' AND state = 'queued'
+                                      ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED)
+                         RETURNING id",
+                    )
+                    .bind(format!("el-{i}"))
+                    .bind(ns)
+                    .fetch_optional(&pool)
+                    .await
+                    .ok()
+                    .flatten();
+                    row.is_some()
+                }
+            })
+            .boxed()
+        }
+    })
+    .await;
+    let pg_after = settled(&el_db, &raw2_db).await;
+    let (el_w, el_ops, _) = totals(&sides[0]);
+    let (raw_w, raw_ops, _) = totals(&sides[1]);
+    println!(
+        "(d) claims/s       eligibility {}   raw unfiltered {}",
+        spread(&rates(&el_w), 0),
+        spread(&rates(&raw_w), 0)
+    );
+    println!(
+        "    ratio el./raw  {}  (the eligibility claim within 1.5x of the raw claim's cost)",
+        judged(&ratios(&rates(&el_w), &rates(&raw_w)), 2, Target::AtLeast(1.0 / 1.5))
+    );
+    println!("    counted, eligibility: {}", pg_after.0.since(&pg_before.0).per(el_ops, "claim"));
+    println!("    counted, raw SQL:     {}", pg_after.1.since(&pg_before.1).per(raw_ops, "claim"));
 
     // (c) offline detection
     let lease = 5;

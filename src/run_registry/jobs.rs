@@ -561,9 +561,9 @@ impl JobStore {
 
     /// Claims up to `max` of the oldest eligible queued jobs of `namespace` for the
     /// session's own address: kinds it advertised, within its free slots, past their
-    /// backoff, and for a fenced job only while its term is current. Claims of one
-    /// address take turns (a transaction lock), so concurrent claims never exceed the
-    /// slots; SKIP LOCKED keeps them off each other's rows otherwise.
+    /// backoff, and for a fenced job only while its term is current. With slots, claims
+    /// of one address take turns, so concurrent claims never exceed them; SKIP LOCKED
+    /// keeps claims off each other's rows otherwise.
     pub async fn claim(
         &self,
         namespace: &str,
@@ -572,82 +572,21 @@ impl JobStore {
         max: i64,
         eligible: &Eligibility,
     ) -> Result<Vec<Job>, RegistryError> {
-        let mut tx = self.pool.begin().await.step("claim: begin")?;
-        let mut max = max;
-        if let Some(slots) = eligible.slots {
-            sqlx::query(
-                "SELECT pg_advisory_xact_lock(hashtextextended('prism-claim/' || $1 || '/' || $2 || '/' || $3, 0))",
-            )
-            .bind(namespace)
-            .bind(&a.server_instance_id)
-            .bind(&a.component_kind)
-            .execute(&mut *tx)
-            .await
-            .step("claim: take the address's turn")?;
-            let in_flight: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM runtime_jobs
-                 WHERE namespace = $1 AND server_instance_id = $2 AND component_kind = $3 AND state IN ('claimed','running')",
-            )
-            .bind(namespace)
-            .bind(&a.server_instance_id)
-            .bind(&a.component_kind)
-            .fetch_one(&mut *tx)
-            .await
-            .step("claim: count jobs in flight")?;
-            max = max.min(slots - in_flight);
-        }
-        if max <= 0 {
-            tx.commit().await.step("claim: commit")?;
-            return Ok(vec![]);
-        }
-        // The projects of fenced candidates first, FOR SHARE (the order a change of
-        // master takes them: project, then jobs), so their terms cannot move on between
-        // the check below and this claim's commit.
-        sqlx::query(
-            "SELECT 1 FROM controller_projects p
-             WHERE (p.namespace, p.project_id) IN (
-                 SELECT fence_namespace, fence_project_id FROM runtime_jobs
-                 WHERE namespace = $1 AND server_instance_id = $2 AND component_kind = $3 AND state = 'queued'
-                   AND fence_term IS NOT NULL)
-             ORDER BY p.namespace, p.project_id
-             FOR SHARE",
-        )
-        .bind(namespace)
-        .bind(&a.server_instance_id)
-        .bind(&a.component_kind)
-        .execute(&mut *tx)
-        .await
-        .step("claim: hold the fenced jobs' terms")?;
-        let sql = format!(
-            "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), updated_at = now(),
-                 visible_at = now() + make_interval(secs => $5), deadline_at = now() + make_interval(secs => timeout_seconds),
-                 attempts = attempts + 1, claimed_by_session = $3
-             WHERE id IN (
-                 SELECT j.id FROM runtime_jobs j
-                 WHERE j.namespace = $6 AND j.server_instance_id = $1 AND j.component_kind = $2 AND j.state = 'queued'
-                   AND j.eligible_at <= now()
-                   AND ($7::text[] IS NULL OR j.kind = ANY($7))
-                   AND (j.fence_term IS NULL OR EXISTS (
-                       SELECT 1 FROM controller_projects p
-                       WHERE p.namespace = j.fence_namespace AND p.project_id = j.fence_project_id
-                         AND p.term = j.fence_term AND p.master_id IS NOT NULL))
-                 ORDER BY j.created_at, j.id
-                 LIMIT $4
-                 FOR UPDATE SKIP LOCKED)
-             RETURNING {COLUMNS}"
-        );
+        // One round trip: the rules are the database's function (its migration says why
+        // the count comes after the turn and why no stale-term job can be handed out).
+        let sql = format!("SELECT {COLUMNS} FROM runtime_jobs_claim($1, $2, $3, $4, $5, $6, $7, $8)");
         let rows: Vec<JobRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(namespace)
             .bind(&a.server_instance_id)
             .bind(&a.component_kind)
             .bind(session_id)
             .bind(max)
             .bind(self.visibility_secs())
-            .bind(namespace)
             .bind(eligible.kind_texts())
-            .fetch_all(&mut *tx)
+            .bind(eligible.slots)
+            .fetch_all(&self.pool)
             .await
-            .step("claim: take queued jobs")?;
-        tx.commit().await.step("claim: commit")?;
+            .step("claim: take eligible jobs")?;
         let mut claimed = jobs(rows);
         claimed.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
         Ok(claimed)
