@@ -26,9 +26,11 @@ excuse is as narrow as the writer it stands for; see `diff`):
   while the next request, a refused one, is in flight. Only that column, only forwards,
   only for sessions named by an accepted call in the last `BEAT_WINDOW` seconds; any other
   row's heartbeat that moves is a write.
-* a `runtime_jobs` row that the job reaper returns to the queue: it was claimed or running
-  with its visibility deadline (`visible_at`) passed by the time of the second snapshot,
-  and only the reaper's columns changed (src/run_registry/jobs.rs `reap`).
+* a `runtime_jobs` row whose attempt the job reaper ended: it was claimed or running with
+  its visibility deadline (`visible_at`) or attempt deadline (`deadline_at`) passed by the
+  time of the second snapshot, and only the reaper's columns changed (src/run_registry/
+  jobs.rs `reap`); and the `runtime_job_events` rows the database's trigger added for
+  that change.
 * a resource that was being deleted already (`deletionTimestamp` set before the request):
   its finalizer (the operator's release of an earlier wrap) removes itself and the API
   server then drops the object. Only the `finalizers` list may change, or the object go.
@@ -64,7 +66,7 @@ BEAT_WINDOW = 1.5
 # lifecycle with attempts and errors adds to that transition (SPEC §5.1).
 REAPER_COLUMNS = {
     "state", "claimed_at", "visible_at", "claimed_by_session", "updated_at",
-    "attempts", "last_error", "completed_at",
+    "attempts", "last_error", "completed_at", "deadline_at", "eligible_at",
 }
 # Columns never printed in a change (their values are secrets).
 SECRET_COLUMNS = {"key", "token", "token_hash", "session_token_hash"}
@@ -280,13 +282,18 @@ def diff(before: Snapshot, after: Snapshot, beats: dict[str, float] | None = Non
     """
     beats = beats or {}
     out: list[str] = []
-    for table in sorted(before.digests.keys() | after.digests.keys()):
+    reaped: set[str] = set()
+    # Jobs first: their events are excused only for the changes excused there.
+    tables = sorted(before.digests.keys() | after.digests.keys(), key=lambda t: (t == "runtime_job_events", t))
+    for table in tables:
         if before.digests.get(table) == after.digests.get(table):
             continue
         b_rows, a_rows = before.rows.get(table, {}), after.rows.get(table, {})
         for key in sorted(b_rows.keys() | a_rows.keys()):
             b, a = b_rows.get(key), a_rows.get(key)
             if b == a:
+                continue
+            if table == "runtime_job_events" and b is None and str(a.get("job_id")) in reaped:
                 continue
             if b is None or a is None:
                 out.append(f"{table} {key}: {'inserted' if b is None else 'deleted'}: {_show(table, a or b)}")
@@ -300,9 +307,10 @@ def diff(before: Snapshot, after: Snapshot, beats: dict[str, float] | None = Non
                     continue
             if table == "runtime_jobs" and cols <= REAPER_COLUMNS:
                 # The reaper: in flight, its visibility deadline passed by the second read.
-                deadline = _epoch(b.get("visible_at"))
-                if b.get("state") in ("claimed", "running") and deadline is not None and deadline <= after.db_now:
-                    if a.get("state") in ("queued", "failed"):
+                deadlines = [d for d in (_epoch(b.get("visible_at")), _epoch(b.get("deadline_at"))) if d is not None]
+                if b.get("state") in ("claimed", "running") and deadlines and min(deadlines) <= after.db_now:
+                    if a.get("state") in ("queued", "failed", "cancelled"):
+                        reaped.add(str(b.get("id")))
                         continue
             out.append(f"{table} {key}: {', '.join(sorted(cols))}: {_show(table, b, cols)} -> {_show(table, a, cols)}")
     for name in sorted(before.resources.keys() | after.resources.keys()):
