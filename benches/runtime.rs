@@ -79,6 +79,26 @@ fn totals(side: &[(Window, RedisActivity)]) -> (Vec<Window>, u64, RedisActivity)
     (windows, ops, redis)
 }
 
+/// The baseline claim: the oldest queued job of one target (and namespace, as every claim
+/// asks), `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1)`, unfiltered.
+async fn raw_claim(pool: &sqlx::PgPool, server: &str, ns: &str) -> bool {
+    let row: Option<(uuid::Uuid,)> = sqlx::query_as(
+        "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), visible_at = now() + interval '60 seconds',
+             deadline_at = now() + interval '600 seconds', attempts = attempts + 1
+         WHERE id IN (SELECT id FROM runtime_jobs
+                      WHERE namespace = $2 AND server_instance_id = $1 AND component_kind = 'run' AND state = 'queued'
+                      ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED)
+         RETURNING id",
+    )
+    .bind(server)
+    .bind(ns)
+    .fetch_optional(pool)
+    .await
+    .ok()
+    .flatten();
+    row.is_some()
+}
+
 /// Both databases' counters once every backend has published them.
 async fn settled(a: &support::TestDb, b: &support::TestDb) -> (PgActivity, PgActivity) {
     PgActivity::settled_pair(&a.pool, &b.pool).await.expect("read pg_stat_database")
@@ -204,24 +224,7 @@ async fn main() {
             let ns = ns.clone();
             counted(&counters, move |i, _| {
                 let (pool, ns) = (pool.clone(), ns.clone());
-                async move {
-                    // The namespace too, as every claim asks (jobs belong to a namespace).
-                    let row: Option<(uuid::Uuid,)> = sqlx::query_as(
-                        "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), visible_at = now() + interval '60 seconds',
-                             attempts = attempts + 1
-                         WHERE id IN (SELECT id FROM runtime_jobs
-                                      WHERE namespace = $2 AND server_instance_id = $1 AND component_kind = 'run' AND state = 'queued'
-                                      ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED)
-                         RETURNING id",
-                    )
-                    .bind(format!("raw-{i}"))
-                    .bind(ns)
-                    .fetch_optional(&pool)
-                    .await
-                    .ok()
-                    .flatten();
-                    row.is_some()
-                }
+                async move { raw_claim(&pool, &format!("raw-{i}"), &ns).await }
             })
             .boxed()
         }
@@ -287,23 +290,7 @@ async fn main() {
             let (pool, ns) = (raw2_db.pool.clone(), ns.clone());
             counted(&counters, move |i, _| {
                 let (pool, ns) = (pool.clone(), ns.clone());
-                async move {
-                    let row: Option<(uuid::Uuid,)> = sqlx::query_as(
-                        "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), visible_at = now() + interval '60 seconds',
-                             deadline_at = now() + interval '600 seconds', attempts = attempts + 1
-                         WHERE id IN (SELECT id FROM runtime_jobs
-                                      WHERE namespace = $2 AND server_instance_id = $1 AND component_kind = 'run' AND state = 'queued'
-                                      ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED)
-                         RETURNING id",
-                    )
-                    .bind(format!("el-{i}"))
-                    .bind(ns)
-                    .fetch_optional(&pool)
-                    .await
-                    .ok()
-                    .flatten();
-                    row.is_some()
-                }
+                async move { raw_claim(&pool, &format!("el-{i}"), &ns).await }
             })
             .boxed()
         }

@@ -276,7 +276,7 @@ async fn jobs_go_to_their_own_target_and_cross_target_steps_are_refused() {
     assert_eq!((done.state.as_str(), done.result), ("succeeded", Some(json!({"ok": true}))));
     assert_eq!(
         code(&a.step(&job, "complete", Some(json!({"outcome": "failed"}))).await.expect_err("twice")),
-        "invalid_state"
+        "job_finished"
     );
 
     // The second claimed job is never progressed: its visibility timeout puts it back.
