@@ -640,8 +640,9 @@ async fn a_paused_runsession_hands_out_no_new_job_and_resumes_when_unpaused() {
     phase(&w.api, "srv-p-run", RunPhase::Online, 5).await;
     let token = w.enqueue_token();
     assert_eq!(w.enqueue(&token, "srv-p", "config").await.status(), 201);
-    let held = run.claim(1).await.expect("claim before the cordon");
-    assert_eq!(held.len(), 1);
+    assert_eq!(w.enqueue(&token, "srv-p", "lifecycle").await.status(), 201);
+    let held = run.claim(2).await.expect("claim before the cordon");
+    assert_eq!(held.len(), 2);
 
     let pause = |paused: bool| {
         let api = w.api.clone();
@@ -669,6 +670,14 @@ async fn a_paused_runsession_hands_out_no_new_job_and_resumes_when_unpaused() {
     assert!(run.claim(5).await.expect("claim while paused").is_empty());
     assert_eq!(jobs_in(&w, "srv-p", "queued").await, 1);
     finish(&run, &held[0].id).await;
+    // A cancel of a job it holds still reaches it, in the claim's answer, and it ends it.
+    let url = w.op.url(&format!("/api/v1/runtime/jobs/{}/cancel?namespace={}", held[1].id, w.ns));
+    let r = support::http().post(url).bearer_auth(&token).send().await.expect("cancel");
+    assert_eq!(r.status(), 202, "a cancel requested of a job in flight");
+    let answer = run.claim_and_cancels(5).await.expect("claim while paused");
+    assert_eq!((answer.jobs.len(), answer.cancel), (0, vec![held[1].id]));
+    let done = run.step(&held[1].id, "complete", Some(json!({"outcome": "cancelled"}))).await.expect("cancelled");
+    assert_eq!(done.state.as_str(), "cancelled");
     run.heartbeat().await.expect("a paused Run heartbeats");
     assert_eq!(event_seen(&w, "srv-p-run", "Draining").await, 1);
     // A hello while paused (a reconcile) is no new drain: the Run stays cordoned.
