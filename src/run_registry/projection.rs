@@ -244,6 +244,18 @@ mod tests {
         assert_eq!(project(Lease::Held(&session()), false, &run).phase, RunPhase::Online, "a new hello");
     }
 
+    /// Status says who drained a Run (its condition); the HTTP API's projection says it
+    /// by its phase alone, in its JSON and its schema.
+    #[test]
+    fn the_api_projection_carries_no_drain_field() {
+        let schema = serde_json::to_value(<SessionView as utoipa::PartialSchema>::schema()).expect("schema");
+        let properties = schema["properties"].as_object().expect("properties");
+        assert!(properties.contains_key("phase") && !properties.contains_key("drain"), "{schema}");
+        let view = SessionView { drain: Some(Drain::Paused), ..Default::default() };
+        let json = serde_json::to_value(&view).expect("json");
+        assert!(json.get("phase").is_some() && json.get("drain").is_none(), "{json}");
+    }
+
     #[test]
     fn status_round_trip_keeps_every_shown_fact() {
         let online = project(Lease::Held(&session()), false, &SessionView::default());
