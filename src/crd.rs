@@ -234,6 +234,10 @@ pub struct RunSessionSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 5, max = 3600))]
     pub lease_seconds: Option<i32>,
+    /// The platform's cordon (SPEC §5.1, Drain): while true the Run's claims hand out no
+    /// new job (jobs in flight finish normally) and status shows `Draining`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
 }
 
 /// The Run's public key. Raising `generation` revokes every older key at once.
@@ -259,6 +263,9 @@ pub enum RunPhase {
     #[default]
     Pending,
     Online,
+    // Online, but its claims hand out no new job: spec.paused, or the Run said it is
+    // draining (SPEC §5.1). (A doc comment here would reorder the schema's enum.)
+    Draining,
     Offline,
     Unavailable,
 }

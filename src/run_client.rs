@@ -131,6 +131,8 @@ pub struct RunClient {
     pub version: String,
     pub capabilities: Vec<String>,
     pub capacity: BTreeMap<String, i64>,
+    /// Sent with each heartbeat when set: whether the Run is draining (SPEC §5.1).
+    pub draining: Option<bool>,
 }
 
 async fn answer<T: serde::de::DeserializeOwned>(r: reqwest::Response) -> Result<T, ClientError> {
@@ -161,6 +163,7 @@ impl RunClient {
             // Every job kind: a Run that advertises fewer is handed only those (SPEC §5.1).
             capabilities: JobKind::ALL.iter().map(|k| k.to_string()).collect(),
             capacity: [("slots".to_string(), 4)].into(),
+            draining: None,
         }
     }
 
@@ -212,7 +215,10 @@ impl RunClient {
     }
 
     pub async fn heartbeat(&self) -> Result<Value, ClientError> {
-        let body = json!({"capabilities": self.capabilities, "capacity": self.capacity});
+        let mut body = json!({"capabilities": self.capabilities, "capacity": self.capacity});
+        if let Some(draining) = self.draining {
+            body["draining"] = json!(draining);
+        }
         let r = self
             .http
             .post(format!("{}/api/v1/runtime/heartbeat", self.base))

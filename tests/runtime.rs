@@ -431,6 +431,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
             component_kind: "run".into(),
             credential: RunCredential { public_key: other_key, generation: 1 },
             lease_seconds: None,
+            paused: false,
         },
     );
     w.api.create(&PostParams::default(), &dup).await.expect("create duplicate");
@@ -545,6 +546,7 @@ async fn mirroring_an_unchanged_identity_locks_nothing() {
         public_key: "A".repeat(43) + "=",
         key_generation: 1,
         lease_seconds: None,
+        paused: false,
     };
     let xmax = || async {
         let x: String = sqlx::query_scalar("SELECT xmax::text FROM run_identities WHERE id = $1")
@@ -573,4 +575,240 @@ async fn mirroring_an_unchanged_identity_locks_nothing() {
         .await
         .expect("row");
     assert_eq!(generation, 2);
+    // spec.paused is mirrored (SPEC §5.1) and is no rotation: the same epoch, and what a
+    // session of that epoch acts as says it.
+    identity.paused = true;
+    assert_eq!(store.mirror(&identity).await.expect("pause"), Mirror::Owned { rotated: false, epoch: second });
+    let acting = store.current(&identity.address(), second).await.expect("current").expect("live");
+    assert_eq!((acting.namespace.as_str(), acting.paused), ("ns", true));
+    identity.paused = false;
+    assert_eq!(store.mirror(&identity).await.expect("unpause"), Mirror::Owned { rotated: false, epoch: second });
+    assert_eq!(store.current(&identity.address(), second).await.expect("current").map(|a| a.paused), Some(false));
+}
+
+/// How often an Event of `reason` was recorded on the named object (a repeat is a series).
+async fn event_count(w: &World, name: &str, reason: &str) -> i32 {
+    support::events_about(&w.client, &w.ns, name)
+        .await
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .map(|e| e.series.map_or(1, |s| s.count))
+        .sum()
+}
+
+/// Waits until an Event of `reason` was recorded on the named object; returns how often.
+async fn event_seen(w: &World, name: &str, reason: &str) -> i32 {
+    eventually(10, &format!("an Event {reason} on {name}"), || async {
+        Some(event_count(w, name, reason).await).filter(|n| *n > 0)
+    })
+    .await
+}
+
+/// The `Draining` condition of a RunSession: (status, reason, message).
+fn draining_condition(r: &RunSession) -> Option<(String, String, String)> {
+    let c = r.status.as_ref()?.conditions.iter().find(|c| c.type_ == "Draining")?;
+    Some((c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+/// Jobs of a server in `state`, from Postgres.
+async fn jobs_in(w: &World, server: &str, state: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM runtime_jobs WHERE server_instance_id = $1 AND state = $2")
+        .bind(server)
+        .bind(state)
+        .fetch_one(&w.db.pool)
+        .await
+        .expect("count jobs")
+}
+
+/// A job claimed, acked, progressed and completed: what a drained Run still may do.
+async fn finish(run: &RunClient, job: &uuid::Uuid) {
+    assert_eq!(run.step(job, "ack", None).await.expect("ack").state, JobState::Running);
+    run.step(job, "progress", Some(json!({"progress": {"pct": 50}}))).await.expect("progress");
+    let done = run.step(job, "complete", Some(json!({"outcome": "succeeded"}))).await.expect("complete");
+    assert_eq!(done.state.as_str(), "succeeded");
+}
+
+/// SPEC §5.1, Drain, by the platform: `kubectl patch rsess … -p '{"spec":{"paused":true}}'`
+/// cordons the Run within seconds: its claims hand out no new job although one is queued,
+/// the job it holds finishes normally, status says `Draining` and who drained it, and an
+/// Event says when it started; unpaused, it claims again and an Event says so.
+#[tokio::test]
+async fn a_paused_runsession_hands_out_no_new_job_and_resumes_when_unpaused() {
+    let w = world("paused", &[]).await;
+    let mut run = w.run("srv-p-run", "srv-p", None).await;
+    run.hello().await.expect("hello");
+    phase(&w.api, "srv-p-run", RunPhase::Online, 5).await;
+    let token = w.enqueue_token();
+    assert_eq!(w.enqueue(&token, "srv-p", "config").await.status(), 201);
+    assert_eq!(w.enqueue(&token, "srv-p", "lifecycle").await.status(), 201);
+    let held = run.claim(2).await.expect("claim before the cordon");
+    assert_eq!(held.len(), 2);
+
+    let pause = |paused: bool| {
+        let api = w.api.clone();
+        async move {
+            let patch = json!({"spec": {"paused": paused}});
+            api.patch("srv-p-run", &PatchParams::default(), &Patch::Merge(&patch)).await.expect("patch spec.paused")
+        }
+    };
+    let patched = pause(true).await;
+    let started = Instant::now();
+    let drained = phase(&w.api, "srv-p-run", RunPhase::Draining, 5).await;
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(drained.status.as_ref().and_then(|s| s.observed_generation), patched.metadata.generation);
+    let (status, reason, message) = draining_condition(&drained).expect("a Draining condition");
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "Paused"));
+    assert!(message.contains("cordoned"), "{message}");
+    assert!(drained.status.as_ref().is_some_and(|s| s.online), "a drained Run is still online");
+    let out = w.cp.kubectl_ok(&["get", "rsess", "srv-p-run", "-n", &w.ns, "--no-headers"]);
+    assert!(out.contains("Draining"), "the PHASE column: {out}");
+    let view = support::get_json(&w.op.url("/api/v1/runtime/servers/srv-p/status"), &token).await;
+    assert_eq!(view["components"][0]["phase"], "Draining", "{view}");
+
+    // No new job, although one is queued; the one it holds still takes every step.
+    assert_eq!(w.enqueue(&token, "srv-p", "log").await.status(), 201);
+    assert!(run.claim(5).await.expect("claim while paused").is_empty());
+    assert_eq!(jobs_in(&w, "srv-p", "queued").await, 1);
+    finish(&run, &held[0].id).await;
+    // A cancel of a job it holds still reaches it, in the claim's answer, and it ends it.
+    let url = w.op.url(&format!("/api/v1/runtime/jobs/{}/cancel?namespace={}", held[1].id, w.ns));
+    let r = support::http().post(url).bearer_auth(&token).send().await.expect("cancel");
+    assert_eq!(r.status(), 202, "a cancel requested of a job in flight");
+    let answer = run.claim_and_cancels(5).await.expect("claim while paused");
+    assert_eq!((answer.jobs.len(), answer.cancel), (0, vec![held[1].id]));
+    let done = run.step(&held[1].id, "complete", Some(json!({"outcome": "cancelled"}))).await.expect("cancelled");
+    assert_eq!(done.state.as_str(), "cancelled");
+    run.heartbeat().await.expect("a paused Run heartbeats");
+    assert_eq!(event_seen(&w, "srv-p-run", "Draining").await, 1);
+    // A hello while paused (a reconcile) is no new drain: the Run stays cordoned.
+    run.hello().await.expect("hello while paused");
+    assert!(run.claim(5).await.expect("claim after a new hello").is_empty());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let still = phase(&w.api, "srv-p-run", RunPhase::Draining, 5).await;
+    assert_eq!(draining_condition(&still).map(|c| c.1), Some("Paused".into()));
+    assert_eq!(event_count(&w, "srv-p-run", "Draining").await, 1, "one Event per transition, not per reconcile");
+
+    // Unpaused: claims hand out jobs again.
+    pause(false).await;
+    let resumed = phase(&w.api, "srv-p-run", RunPhase::Online, 5).await;
+    let (status, reason, _) = draining_condition(&resumed).expect("the Draining condition");
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "NotDraining"));
+    let got = run.claim(5).await.expect("claim after unpausing");
+    assert_eq!(got.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>(), ["log"]);
+    assert_eq!(event_seen(&w, "srv-p-run", "Resumed").await, 1);
+    let view = support::get_json(&w.op.url("/api/v1/runtime/servers/srv-p/status"), &token).await;
+    assert_eq!(view["components"][0]["phase"], "Online", "{view}");
+}
+
+/// SPEC §5.1, Drain, by the Run: `"draining": true` in its heartbeat is its graceful
+/// stop. Sticky until a heartbeat says `false`; a new hello starts not draining.
+#[tokio::test]
+async fn a_run_that_says_it_is_draining_gets_no_new_job_until_it_says_otherwise() {
+    let w = world("draining", &[]).await;
+    let mut run = w.run("srv-d-run", "srv-d", None).await;
+    run.hello().await.expect("hello");
+    phase(&w.api, "srv-d-run", RunPhase::Online, 5).await;
+    let token = w.enqueue_token();
+    assert_eq!(w.enqueue(&token, "srv-d", "config").await.status(), 201);
+    let held = run.claim(1).await.expect("claim before draining");
+    assert_eq!(held.len(), 1);
+
+    run.draining = Some(true);
+    run.heartbeat().await.expect("heartbeat: draining");
+    let drained = phase(&w.api, "srv-d-run", RunPhase::Draining, 5).await;
+    let (status, reason, _) = draining_condition(&drained).expect("a Draining condition");
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "RunDraining"));
+    assert_eq!(w.enqueue(&token, "srv-d", "log").await.status(), 201);
+    assert!(run.claim(5).await.expect("claim while draining").is_empty());
+    assert_eq!(jobs_in(&w, "srv-d", "queued").await, 1);
+    finish(&run, &held[0].id).await;
+    assert_eq!(event_seen(&w, "srv-d-run", "Draining").await, 1);
+    let view = support::get_json(&w.op.url("/api/v1/runtime/servers/srv-d/status"), &token).await;
+    assert_eq!(view["components"][0]["phase"], "Draining", "{view}");
+
+    // A heartbeat that does not say keeps it draining (and changes no status).
+    run.draining = None;
+    run.heartbeat().await.expect("heartbeat without draining");
+    let empty = support::http()
+        .post(w.op.url("/api/v1/runtime/heartbeat"))
+        .bearer_auth(run.token.as_deref().expect("token"))
+        .send()
+        .await
+        .expect("heartbeat with no body");
+    assert_eq!(empty.status(), 200);
+    assert!(run.claim(5).await.expect("claim, still draining").is_empty());
+    assert_eq!(
+        phase(&w.api, "srv-d-run", RunPhase::Draining, 5).await.status.map(|s| s.phase),
+        Some(RunPhase::Draining)
+    );
+
+    // `false` resumes it.
+    run.draining = Some(false);
+    run.heartbeat().await.expect("heartbeat: not draining");
+    let resumed = phase(&w.api, "srv-d-run", RunPhase::Online, 5).await;
+    assert_eq!(draining_condition(&resumed).map(|c| c.0), Some("False".into()));
+    let got = run.claim(5).await.expect("claim after resuming");
+    assert_eq!(got.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>(), ["log"]);
+    assert_eq!(event_seen(&w, "srv-d-run", "Resumed").await, 1);
+    assert_eq!(event_count(&w, "srv-d-run", "Draining").await, 1);
+
+    // Draining again, then a new hello: the new session is not draining.
+    run.draining = Some(true);
+    run.heartbeat().await.expect("heartbeat: draining again");
+    phase(&w.api, "srv-d-run", RunPhase::Draining, 5).await;
+    assert_eq!(w.enqueue(&token, "srv-d", "file").await.status(), 201);
+    assert!(run.claim(5).await.expect("claim while draining again").is_empty());
+    run.draining = None;
+    run.hello().await.expect("a new hello");
+    phase(&w.api, "srv-d-run", RunPhase::Online, 5).await;
+    let got = run.claim(5).await.expect("claim in the new session");
+    assert_eq!(got.iter().map(|j| j.kind.as_str()).collect::<Vec<_>>(), ["file"]);
+}
+
+/// A `draining` that is no boolean is a 4xx with a code and changes nothing: not the
+/// drain, not the lease's snapshot.
+#[tokio::test]
+async fn a_draining_that_is_not_a_boolean_is_refused_and_changes_nothing() {
+    let w = world("drainbad", &[]).await;
+    let mut run = w.run("srv-x-run", "srv-x", None).await;
+    run.hello().await.expect("hello");
+    phase(&w.api, "srv-x-run", RunPhase::Online, 5).await;
+    let token = w.enqueue_token();
+    let beat = |body: Value| {
+        let token = run.token.clone().expect("token");
+        let url = w.op.url("/api/v1/runtime/heartbeat");
+        async move { support::http().post(url).bearer_auth(token).json(&body).send().await.expect("heartbeat") }
+    };
+    for body in [
+        json!({"draining": "yes"}),
+        json!({"draining": 1}),
+        json!({"draining": "true"}),
+        json!({"draining": [true]}),
+        json!({"capacity": {"slots": 1}, "draining": "yes"}),
+    ] {
+        let r = beat(body.clone()).await;
+        assert_eq!(r.status(), 422, "{body}");
+        let answer: Value = r.json().await.expect("error body");
+        assert_eq!(answer["error"]["code"], "invalid_request", "{body}: {answer}");
+    }
+    // Not draining: the queued job is handed out; the snapshot is the hello's.
+    assert_eq!(w.enqueue(&token, "srv-x", "config").await.status(), 201);
+    assert_eq!(run.claim(5).await.expect("claim").len(), 1);
+    let view = support::get_json(&w.op.url("/api/v1/runtime/servers/srv-x/status"), &token).await;
+    assert_eq!(
+        (view["components"][0]["phase"].as_str(), &view["components"][0]["capacity"]["slots"]),
+        (Some("Online"), &json!(4)),
+        "{view}"
+    );
+
+    // Draining: a bad value leaves it draining.
+    run.draining = Some(true);
+    run.heartbeat().await.expect("heartbeat: draining");
+    phase(&w.api, "srv-x-run", RunPhase::Draining, 5).await;
+    let r = beat(json!({"draining": "no"})).await;
+    assert_eq!(r.status(), 422);
+    assert_eq!(w.enqueue(&token, "srv-x", "log").await.status(), 201);
+    assert!(run.claim(5).await.expect("claim while draining").is_empty());
+    let still = phase(&w.api, "srv-x-run", RunPhase::Draining, 5).await;
+    assert_eq!(draining_condition(&still).map(|c| c.1), Some("RunDraining".into()));
 }

@@ -35,8 +35,8 @@ use crate::run_registry::jobs::{
 };
 use crate::run_registry::projection::{Lease, SessionView, project};
 use crate::run_registry::service::{
-    Granted, Hello, HelloError, SessionRefused, StepError, capabilities_schema, capacity_schema, check_address,
-    check_jsonb, check_snapshot, heartbeat_interval, server_instance_id_ok,
+    Granted, Hello, HelloError, Renewed, SessionRefused, StepError, capabilities_schema, capacity_schema,
+    check_address, check_jsonb, check_snapshot, heartbeat_interval, server_instance_id_ok,
 };
 use crate::run_registry::sessions::Renewal;
 use crate::run_registry::{RunAddress, Session};
@@ -127,7 +127,8 @@ pub async fn hello(
     }
 }
 
-/// A fresh capability/capacity snapshot (each part optional; the body may be empty).
+/// A fresh capability/capacity snapshot, and whether the Run is draining (each part
+/// optional; the body may be empty).
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(as = RunHeartbeatBody)]
@@ -137,6 +138,11 @@ pub struct HeartbeatBody {
     #[serde(default, deserialize_with = "crate::json_int::opt_map_i64")]
     #[schema(schema_with = capacity_schema)]
     capacity: Option<BTreeMap<String, i64>>,
+    /// The Run's graceful stop (SPEC §5.1): `true` and its claims hand out no new job
+    /// (the jobs it holds still take steps) until a heartbeat says `false`; absent or
+    /// null: as it was. A new hello starts not draining.
+    #[serde(default)]
+    draining: Option<bool>,
 }
 
 impl HeartbeatBody {
@@ -183,10 +189,13 @@ pub async fn heartbeat(
     if let Some(b) = &body {
         b.check()?;
     }
-    let (caps, cap) = body.map(|b| (b.capabilities, b.capacity)).unwrap_or_default();
-    let renewal = Renewal { now: Utc::now(), capabilities: caps.as_deref(), capacity: cap.as_ref() };
-    match state.registry.session(token, Some(renewal)).await? {
-        Ok((address, session)) => {
+    let (caps, cap, draining) = body.map(|b| (b.capabilities, b.capacity, b.draining)).unwrap_or_default();
+    let renewal = Renewal { now: Utc::now(), capabilities: caps.as_deref(), capacity: cap.as_ref(), draining };
+    match state.registry.renew(token, Some(renewal)).await? {
+        Ok(Renewed { address, session, drain_changed }) => {
+            if drain_changed {
+                drain_changed_announce(&state, &address).await;
+            }
             let lease = (session.lease_left.as_millis() as u64).div_ceil(1000);
             let cancel = state.registry.cancel_requested(&address, &session).await?;
             Ok(Json(RunHeartbeatReply {
@@ -196,6 +205,25 @@ pub async fn heartbeat(
             }))
         }
         Err(r) => Err(session_refused(r)),
+    }
+}
+
+/// A Run started or stopped draining: its RunSession's status is refreshed now (phase
+/// `Draining`, its condition and Event) rather than at the reconciler's next requeue. The
+/// heartbeat succeeded whatever happens here; a lost signal only delays the status.
+async fn drain_changed_announce(state: &AppState, address: &RunAddress) {
+    let identity = match state.registry.identities.live(address).await {
+        Ok(Some(identity)) => identity,
+        Ok(None) => return,
+        Err(error) => {
+            tracing::warn!(%address, %error, "the Run's drain changed, but its RunSession could not be read");
+            return;
+        }
+    };
+    let resource = NamespacedName::new(identity.spec.namespace.as_str(), identity.spec.name.as_str());
+    if let Err(error) = refresh::announce_now(&state.db, refresh::Kind::RunSession, [&resource]).await {
+        tracing::warn!(namespace = %resource.namespace, name = %resource.name, %error,
+                       "the Run's drain changed, but its RunSession's status refresh could not be announced");
     }
 }
 
@@ -970,7 +998,7 @@ async fn component_status(state: &AppState, identity: &Identity) -> Result<Compo
         // A session of an older epoch (an older key, an earlier identity) does not count.
         Ok(session) => session.filter(|s| s.epoch == identity.epoch),
         Err(e) if e.registry_unavailable() => {
-            return Ok(component(identity, project(Lease::RegistryDown, &shown)));
+            return Ok(component(identity, project(Lease::RegistryDown, identity.spec.paused, &shown)));
         }
         Err(e) => return Err(e.into()),
     };
@@ -978,7 +1006,7 @@ async fn component_status(state: &AppState, identity: &Identity) -> Result<Compo
         Some(session) => Lease::Held(session),
         None => Lease::Absent { credential_rotated: false },
     };
-    Ok(component(identity, project(lease, &shown)))
+    Ok(component(identity, project(lease, identity.spec.paused, &shown)))
 }
 
 fn component(identity: &Identity, session: SessionView) -> ComponentStatus {

@@ -523,6 +523,7 @@ fn runsession() -> RunSession {
             component_kind: "run".into(),
             credential: RunCredential { public_key: "a2V5".into(), generation: 1 },
             lease_seconds: None,
+            paused: false,
         },
     );
     obj.metadata.namespace = Some("ns".into());

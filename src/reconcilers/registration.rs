@@ -69,8 +69,8 @@ impl ObservedStatus for ControllerRegistrationStatus {
         s
     }
 
-    fn event(previous: &Self, next: &Self) -> Option<StatusEvent> {
-        role_event(previous, next)
+    fn events(previous: &Self, next: &Self) -> Vec<StatusEvent> {
+        role_event(previous, next).into_iter().collect()
     }
 }
 

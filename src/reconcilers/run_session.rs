@@ -18,7 +18,7 @@ use super::status::{ObservedStatus, StatusEvent, write_status};
 use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus};
 use crate::run_registry::identity::{IdentitySpec, Mirror};
-use crate::run_registry::projection::{self, Lease, SessionView};
+use crate::run_registry::projection::{self, Drain, Lease, SessionView};
 use crate::run_registry::sessions::{Fenced, REVOKED_EPOCH_TTL};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
@@ -47,8 +47,8 @@ impl ObservedStatus for RunSessionStatus {
         RunSessionStatus { last_heartbeat: None, ..self.clone() }
     }
 
-    fn event(previous: &Self, next: &Self) -> Option<StatusEvent> {
-        phase_event(previous, next)
+    fn events(previous: &Self, next: &Self) -> Vec<StatusEvent> {
+        status_events(previous, next)
     }
 }
 
@@ -63,6 +63,7 @@ fn identity_of(obj: &RunSession) -> Result<IdentitySpec, ControllerError> {
         public_key: obj.spec.credential.public_key.clone(),
         key_generation: obj.spec.credential.generation,
         lease_seconds: obj.spec.lease_seconds,
+        paused: obj.spec.paused,
     })
 }
 
@@ -109,15 +110,17 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
                     match &fenced {
                         // Come back right after the lease would end.
                         Fenced::Live(s) => (
-                            projection::project(Lease::Held(s), &shown),
+                            projection::project(Lease::Held(s), identity.paused, &shown),
                             s.lease_left.min(lease_len) + Duration::from_millis(250),
                         ),
                         Fenced::Absent => {
-                            (projection::project(Lease::Absent { credential_rotated: false }, &shown), lease_len)
+                            let lease = Lease::Absent { credential_rotated: false };
+                            (projection::project(lease, identity.paused, &shown), lease_len)
                         }
                         Fenced::Revoked => {
                             info!(name = %obj.name_any(), "credential rotated; the older key's session ended");
-                            (projection::project(Lease::Absent { credential_rotated: true }, &shown), lease_len)
+                            let lease = Lease::Absent { credential_rotated: true };
+                            (projection::project(lease, identity.paused, &shown), lease_len)
                         }
                     }
                 }
@@ -127,7 +130,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
                     // old key's session must end within seconds of the rotation.
                     let owed = ctx.fences_owed.contains_key(&identity.id);
                     let retry = if owed { Duration::from_secs(1) } else { Duration::from_secs(5) };
-                    (projection::project(Lease::RegistryDown, &shown), retry)
+                    (projection::project(Lease::RegistryDown, identity.paused, &shown), retry)
                 }
                 Err(e) => return Err(e.into()),
             };
@@ -155,7 +158,7 @@ async fn cleanup(obj: &RunSession, ctx: &Context) -> Result<Action, ControllerEr
 }
 
 /// A RunSession's status from the projection (pure): the projection's facts plus the
-/// Ready and Online conditions.
+/// Ready, Online and Draining conditions.
 pub fn status_of(
     view: SessionView,
     previous: &RunSessionStatus,
@@ -163,7 +166,7 @@ pub fn status_of(
     now: DateTime<Utc>,
 ) -> RunSessionStatus {
     let (reason, message) = match (view.phase, view.unavailable_reason) {
-        (RunPhase::Online, _) => ("LeaseHeld", "session lease held".to_string()),
+        (RunPhase::Online | RunPhase::Draining, _) => ("LeaseHeld", "session lease held".to_string()),
         (RunPhase::Pending, _) => ("NeverConnected", "never connected".to_string()),
         (RunPhase::Unavailable, _) => ("RegistryUnavailable", "runtime registry (Redis) unavailable".to_string()),
         (RunPhase::Offline, r) => {
@@ -171,11 +174,34 @@ pub fn status_of(
         }
     };
     let online = view.online;
-    RunSessionStatus {
-        observed_generation: generation,
-        conditions: identity_conditions(previous, online, reason, &message, generation, now),
-        ..view.into_status()
+    let mut conditions = identity_conditions(previous, online, reason, &message, generation, now);
+    let (drained, reason, message) = match view.drain {
+        Some(drain) => (true, drain.reason(), drain_message(drain)),
+        None => (false, "NotDraining", "claims hand out jobs: not paused, and the Run has not said it is draining"),
+    };
+    conditions.push(condition(&previous.conditions, DRAINING, drained, reason, message, generation, now));
+    RunSessionStatus { observed_generation: generation, conditions, ..view.into_status() }
+}
+
+/// The condition that says who drained a Run (SPEC §5.1).
+pub const DRAINING: &str = "Draining";
+
+fn drain_message(drain: Drain) -> &'static str {
+    match drain {
+        Drain::Paused => {
+            "spec.paused: the platform cordoned this Run; its claims hand out no new job, jobs in flight finish"
+        }
+        Drain::RunDraining => {
+            "the Run said it is draining (its graceful stop); its claims hand out no new job, jobs in flight finish"
+        }
     }
+}
+
+/// Who drained the Run as `status` says it: the `Draining` condition's reason when True;
+/// `Some(None)` when it says False, None when there is no such condition (a duplicate).
+fn drain_shown(status: &RunSessionStatus) -> Option<Option<Drain>> {
+    let c = status.conditions.iter().find(|c| c.type_ == DRAINING)?;
+    Some(if c.status == "True" { SessionView::shown_in(status).drain } else { None })
 }
 
 /// Ready (the identity is registered) and Online with the given state.
@@ -208,13 +234,40 @@ fn duplicate_status(
     }
 }
 
+/// The Events of a change of status: one for a change of phase (Online and Draining are
+/// one phase as far as the session goes), and `Draining` / `Resumed` when a drain starts
+/// or ends (SPEC §5.1). A Run's own drain that ends with its session (the graceful stop
+/// done) is no resumption: its `Offline` says it.
+pub fn status_events(previous: &RunSessionStatus, next: &RunSessionStatus) -> Vec<StatusEvent> {
+    let online = |phase| matches!(phase, RunPhase::Online | RunPhase::Draining);
+    let mut events = Vec::new();
+    if !(online(previous.phase) && online(next.phase)) {
+        events.extend(phase_event(previous, next));
+    }
+    let was = drain_shown(previous).flatten();
+    match (was, drain_shown(next)) {
+        (None, Some(Some(drain))) => {
+            let note = match drain {
+                Drain::Paused => "paused: the platform cordoned it (spec.paused); no new job is handed out",
+                Drain::RunDraining => "the Run is draining (its heartbeat said so); no new job is handed out",
+            };
+            events.push((EventType::Normal, "Draining", note.to_string()));
+        }
+        (Some(drain), Some(None)) if drain == Drain::Paused || online(next.phase) => {
+            events.push((EventType::Normal, "Resumed", "no longer draining; claims hand out jobs again".to_string()));
+        }
+        _ => {}
+    }
+    events
+}
+
 /// The Event for a change of phase, if the phase changed.
 pub fn phase_event(previous: &RunSessionStatus, next: &RunSessionStatus) -> Option<StatusEvent> {
     if previous.phase == next.phase {
         return None;
     }
     Some(match next.phase {
-        RunPhase::Online => (
+        RunPhase::Online | RunPhase::Draining => (
             EventType::Normal,
             "Online",
             format!("session started, version {}", next.version.clone().unwrap_or_default()),
@@ -249,12 +302,13 @@ mod tests {
             target: None,
             capabilities: vec!["lifecycle".into()],
             capacity: Default::default(),
+            draining: false,
             lease_left: Duration::from_secs(20),
         }
     }
 
     fn status(lease: Lease<'_>, previous: &RunSessionStatus) -> RunSessionStatus {
-        status_of(projection::project(lease, &SessionView::shown_in(previous)), previous, Some(1), Utc::now())
+        status_of(projection::project(lease, false, &SessionView::shown_in(previous)), previous, Some(1), Utc::now())
     }
 
     #[test]
@@ -275,6 +329,58 @@ mod tests {
         assert_eq!(cond(&pending, "Online").map(|c| c.1), Some("NeverConnected".into()));
         let down = status(Lease::RegistryDown, &online);
         assert_eq!(cond(&down, "Online").map(|c| c.1), Some("RegistryUnavailable".into()));
+    }
+
+    fn drained(lease: Lease<'_>, paused: bool, previous: &RunSessionStatus) -> RunSessionStatus {
+        status_of(projection::project(lease, paused, &SessionView::shown_in(previous)), previous, Some(2), Utc::now())
+    }
+
+    fn reasons(events: Vec<StatusEvent>) -> Vec<&'static str> {
+        events.into_iter().map(|e| e.1).collect()
+    }
+
+    #[test]
+    fn a_drain_is_a_phase_a_condition_and_one_event_each_way() {
+        let cond = |s: &RunSessionStatus| {
+            s.conditions.iter().find(|c| c.type_ == DRAINING).map(|c| (c.status.clone(), c.reason.clone()))
+        };
+        let online = status(Lease::Held(&session()), &Default::default());
+        assert_eq!(cond(&online), Some(("False".into(), "NotDraining".into())));
+        assert_eq!(reasons(status_events(&Default::default(), &online)), ["Online"]);
+
+        // The platform's cordon.
+        let paused = drained(Lease::Held(&session()), true, &online);
+        assert_eq!((paused.phase, paused.online), (RunPhase::Draining, true));
+        assert_eq!(cond(&paused), Some(("True".into(), "Paused".into())));
+        let message = paused.conditions.iter().find(|c| c.type_ == DRAINING).map(|c| c.message.clone());
+        assert!(message.is_some_and(|m| m.contains("cordoned")));
+        assert_eq!(reasons(status_events(&online, &paused)), ["Draining"]);
+        let again = drained(Lease::Held(&session()), true, &paused);
+        assert!(status_events(&paused, &again).is_empty(), "once per transition, not per reconcile");
+        let unpaused = drained(Lease::Held(&session()), false, &paused);
+        assert_eq!(unpaused.phase, RunPhase::Online);
+        assert_eq!(reasons(status_events(&paused, &unpaused)), ["Resumed"]);
+        // A cordoned Run that goes offline stays cordoned; unpaused offline, it resumed.
+        let absent = Lease::Absent { credential_rotated: false };
+        let gone = drained(absent, true, &paused);
+        assert_eq!((gone.phase, cond(&gone).map(|c| c.0)), (RunPhase::Offline, Some("True".into())));
+        assert_eq!(reasons(status_events(&paused, &gone)), ["Offline"]);
+        assert_eq!(reasons(status_events(&gone, &drained(absent, false, &gone))), ["Resumed"]);
+        assert_eq!(reasons(status_events(&gone, &drained(Lease::Held(&session()), true, &gone))), ["Online"]);
+
+        // The Run's own graceful stop: done when its session ends, which resumes nothing.
+        let stopping = Session { draining: true, ..session() };
+        let run = drained(Lease::Held(&stopping), false, &online);
+        assert_eq!((run.phase, cond(&run)), (RunPhase::Draining, Some(("True".into(), "RunDraining".into()))));
+        assert_eq!(reasons(status_events(&online, &run)), ["Draining"]);
+        let stopped = drained(absent, false, &run);
+        assert_eq!(cond(&stopped).map(|c| c.0), Some("False".into()));
+        assert_eq!(reasons(status_events(&run, &stopped)), ["Offline"]);
+        assert_eq!(reasons(status_events(&run, &drained(Lease::Held(&session()), false, &run))), ["Resumed"]);
+        // Redis away and back: the drain neither ends nor starts again.
+        let down = drained(Lease::RegistryDown, false, &run);
+        assert_eq!(reasons(status_events(&run, &down)), ["Unavailable"]);
+        assert_eq!(reasons(status_events(&down, &drained(Lease::Held(&stopping), false, &down))), ["Online"]);
     }
 
     #[test]

@@ -34,8 +34,8 @@ pub trait ObservedStatus: Clone + PartialEq + Default + Serialize {
     /// derived from it), for comparison.
     fn stable(&self) -> Self;
 
-    /// The Event for the change `previous` → `next`, if it is a change worth one.
-    fn event(previous: &Self, next: &Self) -> Option<StatusEvent>;
+    /// The Events for the change `previous` → `next` (none unless it is a change worth one).
+    fn events(previous: &Self, next: &Self) -> Vec<StatusEvent>;
 }
 
 /// Whether to write: anything but the heartbeat changed, or the heartbeat moved by at
@@ -50,7 +50,7 @@ pub fn needs_write<S: ObservedStatus>(previous: &S, next: &S, heartbeat_every: D
 }
 
 /// Compare → server-side apply of the status (only when needed) → remember it →
-/// record the Event of a change of role or phase. `previous` is what `next` was built
+/// record the Events of a change of role or phase (or drain). `previous` is what `next` was built
 /// against (`Written::previous`).
 pub async fn write_status<K>(
     api: &Api<K>,
@@ -68,7 +68,7 @@ where
         api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
         written.wrote(obj.uid().as_deref(), next.clone());
     }
-    if let Some(event) = K::Status::event(previous, next) {
+    for event in K::Status::events(previous, next) {
         publish(recorder, obj, event, K::Status::EVENT_ACTION).await;
     }
     Ok(())

@@ -26,6 +26,9 @@ pub struct IdentitySpec {
     pub public_key: String,
     pub key_generation: i64,
     pub lease_seconds: Option<i32>,
+    /// spec.paused, the platform's cordon (SPEC §5.1): claims hand out no new job. Not
+    /// part of the key: a change of it is no new epoch.
+    pub paused: bool,
 }
 
 impl IdentitySpec {
@@ -76,7 +79,16 @@ pub enum HelloMark {
 }
 
 const COLUMNS: &str =
-    "id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds, epoch";
+    "id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds, paused, epoch";
+
+/// What a session of the current epoch acts as (`IdentityStore::current`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Acting {
+    /// The identity's namespace: the only one whose jobs the session claims or steps.
+    pub namespace: String,
+    /// spec.paused: its claims hand out no new job.
+    pub paused: bool,
+}
 
 #[derive(Clone)]
 pub struct IdentityStore {
@@ -133,27 +145,28 @@ impl IdentityStore {
     }
 
     async fn upsert(&self, i: &IdentitySpec) -> Result<Mirror, RegistryError> {
-        let previous: Option<(String, i64, Option<i32>, i64)> = sqlx::query_as(
-            "SELECT public_key, key_generation, lease_seconds, epoch FROM run_identities WHERE id = $1 AND revoked_at IS NULL",
+        let previous: Option<(String, i64, Option<i32>, bool, i64)> = sqlx::query_as(
+            "SELECT public_key, key_generation, lease_seconds, paused, epoch FROM run_identities WHERE id = $1 AND revoked_at IS NULL",
         )
         .bind(i.id)
         .fetch_optional(&self.pool)
         .await
         .step("mirror identity: read it")?;
-        if let Some((key, generation, lease, epoch)) = &previous
-            && (key.as_str(), *generation, *lease) == (i.public_key.as_str(), i.key_generation, i.lease_seconds)
+        if let Some((key, generation, lease, paused, epoch)) = &previous
+            && (key.as_str(), *generation, *lease, *paused)
+                == (i.public_key.as_str(), i.key_generation, i.lease_seconds, i.paused)
         {
             // Unchanged (every live Run's reconcile, once a lease): the upsert below would
             // change nothing but still lock the row, a WAL record and a commit flush each
             // time (the scale bench: ~400 a second at 10,000 Runs).
             return Ok(Mirror::Owned { rotated: false, epoch: *epoch });
         }
-        let previous = previous.map(|(key, generation, _, _)| (key, generation));
+        let previous = previous.map(|(key, generation, ..)| (key, generation));
         let res: Result<Option<i64>, sqlx::Error> = sqlx::query_scalar(
-            "INSERT INTO run_identities (id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+            "INSERT INTO run_identities (id, namespace, name, server_instance_id, component_kind, public_key, key_generation, lease_seconds, paused)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
              ON CONFLICT (id) DO UPDATE SET public_key = EXCLUDED.public_key, key_generation = EXCLUDED.key_generation,
-                 lease_seconds = EXCLUDED.lease_seconds, updated_at = now(),
+                 lease_seconds = EXCLUDED.lease_seconds, paused = EXCLUDED.paused, updated_at = now(),
                  -- A new key is a new epoch: sessions of the old one authorize nothing.
                  epoch = CASE WHEN (run_identities.public_key, run_identities.key_generation)
                                    IS DISTINCT FROM (EXCLUDED.public_key, EXCLUDED.key_generation)
@@ -161,8 +174,8 @@ impl IdentityStore {
              WHERE run_identities.revoked_at IS NULL
                -- Only a real change writes: every reconcile mirrors (a Redis outage
                -- reconciles them all), and that must not touch a durable row (SPEC §10).
-               AND (run_identities.public_key, run_identities.key_generation, run_identities.lease_seconds)
-                   IS DISTINCT FROM (EXCLUDED.public_key, EXCLUDED.key_generation, EXCLUDED.lease_seconds)
+               AND (run_identities.public_key, run_identities.key_generation, run_identities.lease_seconds, run_identities.paused)
+                   IS DISTINCT FROM (EXCLUDED.public_key, EXCLUDED.key_generation, EXCLUDED.lease_seconds, EXCLUDED.paused)
              RETURNING epoch",
         )
         .bind(i.id)
@@ -173,6 +186,7 @@ impl IdentityStore {
         .bind(&i.public_key)
         .bind(i.key_generation)
         .bind(i.lease_seconds)
+        .bind(i.paused)
         .fetch_optional(&self.pool)
         .await;
         match res {
@@ -274,8 +288,15 @@ impl IdentityStore {
     /// The namespace of the address's live identity, if `epoch` is its current epoch:
     /// what a session of that epoch may still act in (None: revoked, rotated or gone).
     pub async fn current_namespace(&self, a: &RunAddress, epoch: i64) -> Result<Option<String>, RegistryError> {
-        Ok(sqlx::query_scalar(
-            "SELECT namespace FROM run_identities
+        Ok(self.current(a, epoch).await?.map(|acting| acting.namespace))
+    }
+
+    /// What a session of `epoch` acts as, if that is the current epoch of the address's
+    /// live identity: its namespace, and whether it is paused (one query; None: revoked,
+    /// rotated or gone).
+    pub async fn current(&self, a: &RunAddress, epoch: i64) -> Result<Option<Acting>, RegistryError> {
+        let row: Option<(String, bool)> = sqlx::query_as(
+            "SELECT namespace, paused FROM run_identities
              WHERE server_instance_id = $1 AND component_kind = $2 AND revoked_at IS NULL AND epoch = $3",
         )
         .bind(&a.server_instance_id)
@@ -283,7 +304,8 @@ impl IdentityStore {
         .bind(epoch)
         .fetch_optional(&self.pool)
         .await
-        .step("check the session's identity is current")?)
+        .step("check the session's identity is current")?;
+        Ok(row.map(|(namespace, paused)| Acting { namespace, paused }))
     }
 
     /// Deletes identities revoked over `days` ago (retention): their epoch is long out of

@@ -14,7 +14,7 @@ use utoipa::openapi::schema::{ArrayBuilder, KnownFormat, ObjectBuilder, Schema, 
 use uuid::Uuid;
 
 use super::RegistryError;
-use super::identity::{HelloMark, Identity, IdentityStore};
+use super::identity::{Acting, HelloMark, Identity, IdentityStore};
 use super::jobs::{Eligibility, Job, JobStore, Step, StepRefused};
 use super::proof;
 use super::sessions::{HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
@@ -380,11 +380,21 @@ impl RunRegistry {
         token: &str,
         renew: Option<Renewal<'_>>,
     ) -> Result<Result<(RunAddress, Session), SessionRefused>, RegistryError> {
+        Ok(self.renew(token, renew).await?.map(|renewed| (renewed.address, renewed.session)))
+    }
+
+    /// Checks a session token, as `session` does, and says whether a renewal changed the
+    /// session's `draining` (the heartbeat then has the RunSession's status refreshed).
+    pub async fn renew(
+        &self,
+        token: &str,
+        renew: Option<Renewal<'_>>,
+    ) -> Result<Result<Renewed, SessionRefused>, RegistryError> {
         let Some(address) = token_address(token) else {
             return Ok(Err(SessionRefused::InvalidToken));
         };
         Ok(match self.sessions.check(&address, &token_hash(token), renew).await? {
-            TokenCheck::Valid(s) => Ok((address, s)),
+            TokenCheck::Valid { session, drain_changed } => Ok(Renewed { address, session, drain_changed }),
             TokenCheck::Superseded => Err(SessionRefused::Superseded),
             TokenCheck::Expired => Err(SessionRefused::Expired),
         })
@@ -394,23 +404,34 @@ impl RunRegistry {
     /// is the identity's current one (checked in Postgres on every claim and step, so a
     /// rotation or deletion stops them even while Redis could not be told).
     async fn acting_namespace(&self, address: &RunAddress, session: &Session) -> Result<Option<String>, RegistryError> {
-        self.identities.current_namespace(address, session.epoch).await
+        Ok(self.acting(address, session).await?.map(|acting| acting.namespace))
+    }
+
+    /// What a session still acts as (`acting_namespace`), with its identity's `paused`.
+    async fn acting(&self, address: &RunAddress, session: &Session) -> Result<Option<Acting>, RegistryError> {
+        self.identities.current(address, session.epoch).await
     }
 
     /// Claims up to `max` of the oldest eligible queued jobs of the session's own
     /// address (the kinds and slots it advertised), of its identity's namespace only;
-    /// with the ids of the jobs it holds whose cancel was requested.
+    /// with the ids of the jobs it holds whose cancel was requested. A drained Run (its
+    /// RunSession paused, or the session said it is draining; SPEC §5.1) gets no job, but
+    /// still its cancels: its jobs in flight finish normally.
     pub async fn claim(
         &self,
         address: &RunAddress,
         session: &Session,
         max: i64,
     ) -> Result<Result<Claim, SessionRefused>, RegistryError> {
-        let Some(namespace) = self.acting_namespace(address, session).await? else {
+        let Some(Acting { namespace, paused }) = self.acting(address, session).await? else {
             return Ok(Err(SessionRefused::Superseded));
         };
-        let eligible = Eligibility::of(&session.capabilities, &session.capacity);
-        let jobs = self.jobs.claim(&namespace, address, session.session_id, max, &eligible).await?;
+        let jobs = if drained(paused, session) {
+            Vec::new()
+        } else {
+            let eligible = Eligibility::of(&session.capabilities, &session.capacity);
+            self.jobs.claim(&namespace, address, session.session_id, max, &eligible).await?
+        };
         let cancel = self.jobs.cancel_requested(&namespace, address).await?;
         Ok(Ok(Claim { jobs, cancel }))
     }
@@ -445,6 +466,21 @@ impl RunRegistry {
 pub struct Claim {
     pub jobs: Vec<Job>,
     pub cancel: Vec<Uuid>,
+}
+
+/// A checked (maybe renewed) session.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Renewed {
+    pub address: RunAddress,
+    pub session: Session,
+    /// This renewal changed the session's `draining`.
+    pub drain_changed: bool,
+}
+
+/// Whether a session's claims hand out no new job (SPEC §5.1, Drain): its identity is
+/// paused (the platform's cordon), or the Run said it is draining (its graceful stop).
+pub fn drained(paused: bool, session: &Session) -> bool {
+    paused || session.draining
 }
 
 /// Why a job step was refused: the session, or the job.

@@ -9,6 +9,8 @@
 //! * `{prefix}:run:{srv/comp}:session` — hash, the live session; its TTL *is* the lease.
 //!   Its fields are strings; `target`, `capabilities` and `capacity` hold JSON, written
 //!   and read only here, so everything outside this module sees typed `Session`s.
+//!   `draining` is `1` once a heartbeat said the Run is draining, until one says it is
+//!   not (absent or `0`: not draining; a hello writes a new hash, not draining).
 //! * `{prefix}:run:{srv/comp}:retired` — set of superseded token hashes (TTL: a lease).
 //! * `{prefix}:run:{srv/comp}:nonce:{nonce}` — replay guard for hello nonces (the durable
 //!   one is the identity's high-water mark in Postgres; this one only spares it a write).
@@ -62,14 +64,23 @@ pub struct Session {
     pub target: Option<RunTarget>,
     pub capabilities: Vec<String>,
     pub capacity: BTreeMap<String, i64>,
+    /// The Run said it is draining (its graceful stop, SPEC §5.1): its claims hand out no
+    /// new job. Sticky until a heartbeat says `false`; a new session starts without it.
+    pub draining: bool,
     /// What is left of the lease.
     pub lease_left: Duration,
 }
 
 /// What a token is worth right now.
+// The answer of one check, moved once and never stored: not worth a box per heartbeat.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum TokenCheck {
-    Valid(Session),
+    Valid {
+        session: Session,
+        /// The renewal changed `draining` (always false without a renewal).
+        drain_changed: bool,
+    },
     /// A newer hello replaced this token, or the identity's key was rotated or the
     /// identity deleted since (its session is ended by the check itself).
     Superseded,
@@ -98,6 +109,8 @@ pub struct Renewal<'a> {
     pub now: DateTime<Utc>,
     pub capabilities: Option<&'a [String]>,
     pub capacity: Option<&'a BTreeMap<String, i64>>,
+    /// Whether the Run is draining (absent: as it was).
+    pub draining: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -134,15 +147,17 @@ end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'token_hash', ARGV[1], 'session_id', ARGV[2], 'generation', ARGV[3],
   'started_at_ms', ARGV[4], 'last_heartbeat_ms', ARGV[4], 'lease_ms', ARGV[5], 'version', ARGV[7],
-  'target', ARGV[8], 'capabilities', ARGV[9], 'capacity', ARGV[10], 'epoch', ARGV[11])
+  'target', ARGV[8], 'capabilities', ARGV[9], 'capacity', ARGV[10], 'epoch', ARGV[11], 'draining', '0')
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 if old then return 'rotated' end
 return 'started'
 "#;
 
 // KEYS: session, retired, identity. ARGV: token_hash, renew ("1"/"0"), now_ms,
-// capabilities or "", capacity or "". Returns the session fields, or a status word. A
-// session of another epoch than the address's current one is ended here ('revoked').
+// capabilities or "", capacity or "", draining ("1"/"0", or ""/absent: as it was).
+// Returns the session fields (plus `drain_changed` = 1 when the renewal changed
+// `draining`), or a status word. A session of another epoch than the address's current
+// one is ended here ('revoked').
 /// Public for the benchmark, which runs this same script straight against Redis.
 pub const CHECK: &str = r#"
 local cur = redis.call('HGET', KEYS[1], 'token_hash')
@@ -154,15 +169,25 @@ if redis.call('HGET', KEYS[1], 'epoch') ~= redis.call('GET', KEYS[3]) then
   redis.call('DEL', KEYS[1])
   return 'revoked'
 end
+local drain_changed = false
 if ARGV[2] == '1' then
   redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[3])
   if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'capabilities', ARGV[4]) end
   if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'capacity', ARGV[5]) end
+  local draining = ARGV[6] or ''
+  if draining ~= '' and (redis.call('HGET', KEYS[1], 'draining') or '0') ~= draining then
+    redis.call('HSET', KEYS[1], 'draining', draining)
+    drain_changed = true
+  end
   redis.call('PEXPIRE', KEYS[1], redis.call('HGET', KEYS[1], 'lease_ms'))
 end
 local fields = redis.call('HGETALL', KEYS[1])
 table.insert(fields, 'ttl_ms')
 table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
+if drain_changed then
+  table.insert(fields, 'drain_changed')
+  table.insert(fields, '1')
+end
 return fields
 "#;
 
@@ -563,6 +588,12 @@ impl SessionFields {
             target: self.json("target")?,
             capabilities: self.json("capabilities")?,
             capacity: self.json("capacity")?,
+            draining: match self.text("draining") {
+                // Absent: a session written before drain existed.
+                "" | "0" => false,
+                "1" => true,
+                _ => return Err(self.corrupt("draining")),
+            },
             lease_left: Duration::from_millis(self.number("ttl_ms")?.max(0) as u64),
         })
     }
@@ -686,14 +717,15 @@ impl SessionStore {
         renew: Option<Renewal<'_>>,
     ) -> Result<TokenCheck, RegistryError> {
         let mut conn = self.conn.clone();
-        let (flag, now, caps, cap) = match renew {
+        let (flag, now, caps, cap, draining) = match renew {
             Some(r) => (
                 "1",
                 r.now.timestamp_millis(),
                 r.capabilities.map(to_json).unwrap_or_default(),
                 r.capacity.map(to_json).unwrap_or_default(),
+                r.draining.map(|d| if d { "1" } else { "0" }).unwrap_or_default(),
             ),
-            None => ("0", 0, String::new(), String::new()),
+            None => ("0", 0, String::new(), String::new(), ""),
         };
         let out: redis::Value = self
             .check
@@ -705,6 +737,7 @@ impl SessionStore {
             .arg(now)
             .arg(caps)
             .arg(cap)
+            .arg(draining)
             .invoke_async(&mut conn)
             .await
             .step("check the session token")?;
@@ -712,7 +745,9 @@ impl SessionStore {
         if let redis::Value::Array(_) = out {
             let list: Vec<String> =
                 redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the session")?;
-            return Ok(TokenCheck::Valid(SessionFields::new(a, list).session()?));
+            let fields = SessionFields::new(a, list);
+            let drain_changed = fields.text("drain_changed") == "1";
+            return Ok(TokenCheck::Valid { session: fields.session()?, drain_changed });
         }
         let word: String =
             redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the token check")?;
@@ -961,5 +996,18 @@ mod tests {
         let mut bad = GOOD.to_vec();
         bad[2] = ("generation", "x");
         assert!(matches!(fields(&bad).session(), Err(RegistryError::CorruptSession { field: "generation", .. })));
+    }
+
+    #[test]
+    fn draining_reads_as_written_and_absent_is_not_draining() {
+        assert!(!fields(&GOOD).session().expect("a session of a build before drain").draining);
+        for (text, draining) in [("0", false), ("1", true)] {
+            let mut drained = GOOD.to_vec();
+            drained.push(("draining", text));
+            assert_eq!(fields(&drained).session().expect("session").draining, draining, "{text}");
+        }
+        let mut bad = GOOD.to_vec();
+        bad.push(("draining", "yes"));
+        assert!(matches!(fields(&bad).session(), Err(RegistryError::CorruptSession { field: "draining", .. })));
     }
 }

@@ -1060,6 +1060,7 @@ pub async fn create_run_session(
         component_kind: "run".into(),
         credential: prism_operator::crd::RunCredential { public_key: public, generation: 1 },
         lease_seconds,
+        paused: false,
     };
     api.create(&Default::default(), &RunSession::new(name, spec)).await.expect("create RunSession");
     key
