@@ -362,6 +362,22 @@ async fn attempts_are_bounded_and_end_by_timeout_deadline_or_failure() {
     assert_eq!(ended["last_error"], "deadline_exceeded");
     assert_eq!(complete(&run, &id, json!({"outcome": "succeeded"})).await, Err((409, "job_finished".into())));
 
+    // A complete that comes after the deadline does not count, reaped yet or not.
+    let id = id_of(&p.queued("srv-a", "config", json!({"timeout_seconds": 1, "max_attempts": 1})).await);
+    let _job = claim_it().await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let late = complete(&run, &id, json!({"outcome": "succeeded"})).await;
+    assert!(
+        matches!(&late, Err((409, c)) if c == "deadline_exceeded" || c == "job_finished"),
+        "a complete past the deadline: {late:?}"
+    );
+    let ended = eventually(10, "failed by its deadline", || async {
+        let j = p.job(&id).await;
+        (j["state"] == "failed").then_some(j)
+    })
+    .await;
+    assert_eq!(ended["last_error"], "deadline_exceeded");
+
     // Bad options change nothing.
     for bad in [
         json!({"max_attempts": 0}),

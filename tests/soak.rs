@@ -460,7 +460,7 @@ async fn run_process(server: String, key: ed25519_dalek::SigningKey, kill: Arc<A
                                 && matches!(&e, ClientError::Refused { status: 409, code, .. } if code == "invalid_state");
                             // Ended under it: cancelled past its grace, a deadline passed,
                             // its term moved on, or the visibility timeout ended it for good.
-                            let finished = matches!(&e, ClientError::Refused { status: 409, code, .. } if code == "job_finished")
+                            let finished = matches!(&e, ClientError::Refused { status: 409, code, .. } if code == "job_finished" || code == "deadline_exceeded")
                                 && (mode != JobMode::Plain
                                     || claimed.elapsed() >= Duration::from_secs(VISIBILITY_SECONDS - 1));
                             match run_refusal(&e) {

@@ -110,7 +110,8 @@ pub struct NotFound(ErrorBody);
 
 /// `stale_term`: not the project's current master term; `invalid_state`: the job is not in a
 /// state that allows this step; `job_finished`: the job is finished (succeeded, failed or
-/// cancelled); `idempotency_conflict`: the idempotency key was used with another request
+/// cancelled); `idempotency_conflict`: the idempotency key was used with another request;
+/// `deadline_exceeded`: the job's attempt passed its `timeout_seconds`
 #[derive(ToResponse)]
 #[allow(dead_code)]
 pub struct Conflict(ErrorBody);

@@ -882,6 +882,10 @@ async fn job_step(
             "this job is addressed to another server/component",
         )),
         Err(StepError::Job(StepRefused::Finished(s))) => Err(job_finished(s)),
+        Err(StepError::Job(StepRefused::DeadlinePassed)) => Err(ApiError::conflict(
+            "deadline_exceeded",
+            "the attempt passed its timeout_seconds: it has ended (retried or failed, as its attempts allow)",
+        )),
         Err(StepError::Job(StepRefused::WrongState(s))) => {
             Err(ApiError::conflict("invalid_state", format!("job is {s}")))
         }

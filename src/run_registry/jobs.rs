@@ -276,6 +276,9 @@ pub enum StepRefused {
     Finished(JobState),
     /// Not in a state that allows this step (e.g. queued again after its attempt ended).
     WrongState(JobState),
+    /// The attempt outlived its `timeout_seconds`: it has ended, whatever the Run says
+    /// now (the reaper records it within seconds).
+    DeadlinePassed,
 }
 
 /// How the Run ends an attempt.
@@ -656,7 +659,7 @@ impl JobStore {
         let sql = format!(
             "UPDATE runtime_jobs SET {set}, updated_at = now()
              WHERE id = $1 AND server_instance_id = $2 AND component_kind = $3 AND namespace = $6
-               AND state IN ('claimed','running')
+               AND state IN ('claimed','running') AND deadline_at >= now()
              RETURNING {COLUMNS}"
         );
         let update = sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -678,8 +681,9 @@ impl JobStore {
         }
         // Say why, without changing anything. Another namespace's job is no job at all
         // to this session: its existence is not told.
-        let existing: Option<(String, String, String, JobState)> = sqlx::query_as(
-            "SELECT namespace, server_instance_id, component_kind, state FROM runtime_jobs WHERE id = $1",
+        let existing: Option<(String, String, String, JobState, bool)> = sqlx::query_as(
+            "SELECT namespace, server_instance_id, component_kind, state, COALESCE(deadline_at < now(), false)
+             FROM runtime_jobs WHERE id = $1",
         )
         .bind(id)
         .fetch_optional(&self.pool)
@@ -687,10 +691,11 @@ impl JobStore {
         .step("job step: read the refused job")?;
         Ok(Err(match existing {
             None => StepRefused::NotFound,
-            Some((ns, _, _, _)) if ns != namespace => StepRefused::NotFound,
-            Some((_, s, c, _)) if s != a.server_instance_id || c != a.component_kind => StepRefused::CrossTarget,
-            Some((_, _, _, state)) if state.finished() => StepRefused::Finished(state),
-            Some((_, _, _, state)) => StepRefused::WrongState(state),
+            Some((ns, ..)) if ns != namespace => StepRefused::NotFound,
+            Some((_, s, c, ..)) if s != a.server_instance_id || c != a.component_kind => StepRefused::CrossTarget,
+            Some((_, _, _, state, _)) if state.finished() => StepRefused::Finished(state),
+            Some((_, _, _, JobState::Claimed | JobState::Running, true)) => StepRefused::DeadlinePassed,
+            Some((_, _, _, state, _)) => StepRefused::WrongState(state),
         }))
     }
 
