@@ -430,7 +430,10 @@ async fn run_process(server: String, key: ed25519_dalek::SigningKey, kill: Arc<A
                     match run.step(&job.id, action, Some(body.clone())).await {
                         Ok(answer) => {
                             tally.count(&format!("run {action}"), "ok");
+                            // Completions that finished the job (a retryable failure
+                            // queues it again: not a completion).
                             if action == "complete"
+                                && answer.state.finished()
                                 && let Ok(mut c) = ctx.completions.lock()
                             {
                                 c.push(job.id.to_string());
