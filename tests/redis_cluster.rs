@@ -286,7 +286,8 @@ fn check_jobs(before: &BTreeMap<String, Value>, after: &BTreeMap<String, Value>,
     assert_eq!(before.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>(), "jobs appeared or vanished");
     let claimed_set: BTreeSet<String> = claimed.iter().map(Uuid::to_string).collect();
     assert_eq!(claimed_set.len(), claimed.len(), "a job was claimed twice: {claimed:?}");
-    let claim_columns = ["state", "attempts", "claimed_at", "visible_at", "claimed_by_session", "updated_at"];
+    let claim_columns =
+        ["state", "attempts", "claimed_at", "visible_at", "deadline_at", "claimed_by_session", "updated_at"];
     for (id, b) in before {
         let a = &after[id];
         if !claimed_set.contains(id) {
