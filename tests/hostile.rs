@@ -247,15 +247,20 @@ async fn no_old_key_authorizes_anything_within_5_s_of_a_rotation_or_deletion() {
     let key = std::sync::Arc::new(key);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let shared = http();
+    let granted = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let hellos: Vec<_> = (0..12)
         .map(|_| {
-            let (key, stop, base, shared) = (key.clone(), stop.clone(), w.op.base.clone(), shared.clone());
+            let (key, stop, base, shared, granted) =
+                (key.clone(), stop.clone(), w.op.base.clone(), shared.clone(), granted.clone());
             tokio::spawn(async move {
                 let (mut tokens, mut refusals) = (vec![], std::collections::BTreeMap::<String, u32>::new());
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let mut run = RunClient::new(&base, "srv-r", "run", 1, (*key).clone()).with_http(shared.clone());
                     match run.hello().await {
-                        Ok(_) => tokens.push(run.token.clone().expect("token")),
+                        Ok(_) => {
+                            granted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            tokens.push(run.token.clone().expect("token"))
+                        }
                         Err(e) => *refusals.entry(refusal(&e).to_string()).or_default() += 1,
                     }
                 }
@@ -263,7 +268,12 @@ async fn no_old_key_authorizes_anything_within_5_s_of_a_rotation_or_deletion() {
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The race is on once some of them hold old-key sessions (on a busy machine the first
+    // hellos take a while).
+    eventually(20, "old-key hellos granted", || async {
+        (granted.load(std::sync::atomic::Ordering::Relaxed) >= 3).then_some(())
+    })
+    .await;
     let (key2, public2) = run_client::new_key().expect("key");
     let rotate = json!({"spec": {"credential": {"publicKey": public2, "generation": 2}}});
     w.api.patch("r", &PatchParams::default(), &Patch::Merge(&rotate)).await.expect("rotate");
