@@ -31,6 +31,9 @@ excuse is as narrow as the writer it stands for; see `diff`):
   time of the second snapshot, and only the reaper's columns changed (src/run_registry/
   jobs.rs `reap`); and the `runtime_job_events` rows the database's trigger added for
   that change.
+* `controller_registrations.resource_gone` of a row released before the request, going
+  from false to true: the reconciler records that the released registration's resource is
+  gone (its finalizer ran, or retention deleted it).
 * a resource that was being deleted already (`deletionTimestamp` set before the request):
   its finalizer (the operator's release of an earlier wrap) removes itself and the API
   server then drops the object. Only the `finalizers` list may change, or the object go.
@@ -304,6 +307,11 @@ def diff(before: Snapshot, after: Snapshot, beats: dict[str, float] | None = Non
                 named = beats.get(b.get("session_id"))
                 forwards = (_epoch(a["last_heartbeat"]) or 0) > (_epoch(b["last_heartbeat"]) or 0)
                 if named is not None and named >= before.taken_at - BEAT_WINDOW and forwards:
+                    continue
+            if table == "controller_registrations" and cols == {"resource_gone"}:
+                # The reconciler records that a released registration's resource is gone
+                # (its finalizer ran, or retention deleted it): released before, only then.
+                if b.get("released_at") and not b.get("resource_gone") and a.get("resource_gone"):
                     continue
             if table == "runtime_jobs" and cols <= REAPER_COLUMNS:
                 # The reaper: in flight, its visibility deadline passed by the second read.

@@ -485,7 +485,7 @@ pub struct JobListQuery {
     #[param(minimum = 1, maximum = 500)]
     limit: Option<i64>,
     /// The `next_cursor` of the page before.
-    #[param(max_length = 200)]
+    #[param(max_length = 51, pattern = "^[0-9]{1,18}[.][0-9a-f]{32}$")]
     after: Option<String>,
 }
 
