@@ -138,7 +138,7 @@ async fn main() {
     let raw = redis::Client::open(redis.url.as_str()).expect("redis");
     let conn = raw.get_multiplexed_async_connection().await.expect("connect");
     let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);
-    let keys: Arc<Vec<(String, String, String)>> = Arc::new(common::raw::heartbeat_keys(&store, &hb_runs));
+    let keys: Arc<Vec<(String, String, String, String)>> = Arc::new(common::raw::heartbeat_keys(&store, &hb_runs));
     let pg_before = settled(&db, &raw_db).await;
     let sides = interleave(2, rounds(), |side, _| match side {
         0 => {
@@ -154,10 +154,19 @@ async fn main() {
             counted(&counters, move |i, _| {
                 let (mut conn, script, keys) = (conn.clone(), script.clone(), keys.clone());
                 async move {
-                    let (s, r, h) = &keys[i];
+                    let (s, r, id, h) = &keys[i];
                     let now = chrono::Utc::now().timestamp_millis();
-                    let res: redis::RedisResult<redis::Value> =
-                        script.key(s).key(r).arg(h).arg("1").arg(now).arg("").arg("").invoke_async(&mut conn).await;
+                    let res: redis::RedisResult<redis::Value> = script
+                        .key(s)
+                        .key(r)
+                        .key(id)
+                        .arg(h)
+                        .arg("1")
+                        .arg(now)
+                        .arg("")
+                        .arg("")
+                        .invoke_async(&mut conn)
+                        .await;
                     res.is_ok()
                 }
             })
@@ -177,11 +186,10 @@ async fn main() {
     // (b) claims, one job per claim: the API's jobs in the operator's database, the
     // baseline's in its own.
     let mut claim_runs = runs(&api, &op.base, "cl", CONCURRENCY, None).await;
-    // They hold every job they claim: no `slots`, so no limit on what is in flight (the
-    // eligibility claim with slots is (d)).
+    // They hold every job they claim: no `slots` (their heartbeats before the windows
+    // send an empty capacity), so no limit on what is in flight (slots are (d)).
     for run in &mut claim_runs {
         run.capacity.clear();
-        run.hello().await.expect("hello without slots");
     }
     let claim_runs = Arc::new(claim_runs);
     let fill = |pool: sqlx::PgPool, prefix: &'static str, ns: String| async move {

@@ -609,7 +609,7 @@ async fn heartbeats_per_core(
         .await
         .expect("connect");
     let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);
-    let keys: Arc<Vec<(String, String, String)>> = Arc::new(common::raw::heartbeat_keys(&store, &window_runs));
+    let keys: Arc<Vec<(String, String, String, String)>> = Arc::new(common::raw::heartbeat_keys(&store, &window_runs));
     let sides = interleave(2, r, |side, _| {
         let (runs, conn, script, keys, counters, served) =
             (window_runs.clone(), conn.clone(), script.clone(), keys.clone(), &counters, served.clone());
@@ -637,11 +637,12 @@ async fn heartbeats_per_core(
                         rate(move |i, _| {
                             let (mut conn, script, keys) = (conn.clone(), script.clone(), keys.clone());
                             async move {
-                                let (s, r, h) = &keys[i];
+                                let (s, r, id, h) = &keys[i];
                                 let now = chrono::Utc::now().timestamp_millis();
                                 let res: redis::RedisResult<redis::Value> = script
                                     .key(s)
                                     .key(r)
+                                    .key(id)
                                     .arg(h)
                                     .arg("1")
                                     .arg(now)

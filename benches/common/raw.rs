@@ -7,12 +7,12 @@ use prism_operator::run_registry::service::token_hash;
 use prism_operator::run_registry::{RunAddress, SessionStore};
 
 /// Each Run's session and record keys (as `store` names them) and its token's hash.
-pub fn heartbeat_keys(store: &SessionStore, runs: &[RunClient]) -> Vec<(String, String, String)> {
+pub fn heartbeat_keys(store: &SessionStore, runs: &[RunClient]) -> Vec<(String, String, String, String)> {
     runs.iter()
         .map(|run| {
             let at = RunAddress { server_instance_id: run.server_instance_id.clone(), component_kind: "run".into() };
-            let (session, record) = store.session_keys(&at);
-            (session, record, token_hash(run.token.as_deref().unwrap_or_default()))
+            let (session, record, identity) = store.session_keys(&at);
+            (session, record, identity, token_hash(run.token.as_deref().unwrap_or_default()))
         })
         .collect()
 }

@@ -617,9 +617,10 @@ impl SessionStore {
         })
     }
 
-    /// The session hash and retired set of an address (for the benchmark's baseline).
-    pub fn session_keys(&self, a: &RunAddress) -> (String, String) {
-        (self.key(a, "session"), self.key(a, "retired"))
+    /// The session hash, retired set and identity-epoch key of an address: the keys the
+    /// CHECK script takes (for the benchmark's baseline).
+    pub fn session_keys(&self, a: &RunAddress) -> (String, String, String) {
+        (self.key(a, "session"), self.key(a, "retired"), self.key(a, "identity"))
     }
 
     fn key(&self, a: &RunAddress, suffix: &str) -> String {
@@ -905,9 +906,9 @@ mod tests {
             .expect("runtime")
             .block_on(async { SessionStore::new(&endpoint, "prism-a.b_c").expect("store") });
         let a = RunAddress { server_instance_id: "srv-eu1.7".into(), component_kind: "run".into() };
-        let (session, retired) = store.session_keys(&a);
+        let (session, retired, identity) = store.session_keys(&a);
         let nonce = store.key(&a, "nonce:AbC_-{x}0123456789");
-        for key in [&session, &retired, &nonce] {
+        for key in [&session, &retired, &identity, &nonce] {
             assert_eq!(hash_tag(key), Some("srv-eu1.7/run"), "{key}");
         }
         assert_eq!(session, "prism-a.b_c:run:{srv-eu1.7/run}:session");
