@@ -185,13 +185,6 @@ async fn main() {
 
     // (b) claims, one job per claim: the API's jobs in the operator's database, the
     // baseline's in its own.
-    let mut claim_runs = runs(&api, &op.base, "cl", CONCURRENCY, None).await;
-    // They hold every job they claim: no `slots` (their heartbeats before the windows
-    // send an empty capacity), so no limit on what is in flight (slots are (d)).
-    for run in &mut claim_runs {
-        run.capacity.clear();
-    }
-    let claim_runs = Arc::new(claim_runs);
     let fill = |pool: sqlx::PgPool, prefix: &'static str, ns: String| async move {
         sqlx::query(
             "INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind)
@@ -210,6 +203,14 @@ async fn main() {
     for pool in [&db.pool, &raw_db.pool] {
         sqlx::query("ANALYZE runtime_jobs").execute(pool).await.expect("analyze");
     }
+    // The Runs after the fill (it takes longer than a lease).
+    let mut claim_runs = runs(&api, &op.base, "cl", CONCURRENCY, None).await;
+    // They hold every job they claim: no `slots` (their heartbeats before the windows
+    // send an empty capacity), so no limit on what is in flight (slots are (d)).
+    for run in &mut claim_runs {
+        run.capacity.clear();
+    }
+    let claim_runs = Arc::new(claim_runs);
     let pg_before = settled(&db, &raw_db).await;
     let sides = interleave(2, rounds(), |side, _| match side {
         0 => {
