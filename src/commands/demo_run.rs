@@ -22,7 +22,13 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
         }
         let beat = client.heartbeat().await;
         let mut stop: Vec<uuid::Uuid> = match beat {
-            Ok(answer) => serde_json::from_value(answer["cancel"].clone()).unwrap_or_default(),
+            Ok(answer) => match serde_json::from_value(answer["cancel"].clone()) {
+                Ok(ids) => ids,
+                Err(e) => {
+                    warn!(error = %e, "the heartbeat's cancel list could not be read; the claim answer repeats it");
+                    vec![]
+                }
+            },
             Err(e) => match e.code() {
                 Some("session_superseded" | "session_expired") => {
                     warn!(error = %e, "session lost; saying hello again");
