@@ -153,22 +153,7 @@ async fn main() {
             let (conn, script, keys) = (conn.clone(), script.clone(), keys.clone());
             counted(&counters, move |i, _| {
                 let (mut conn, script, keys) = (conn.clone(), script.clone(), keys.clone());
-                async move {
-                    let (s, r, id, h) = &keys[i];
-                    let now = chrono::Utc::now().timestamp_millis();
-                    let res: redis::RedisResult<redis::Value> = script
-                        .key(s)
-                        .key(r)
-                        .key(id)
-                        .arg(h)
-                        .arg("1")
-                        .arg(now)
-                        .arg("")
-                        .arg("")
-                        .invoke_async(&mut conn)
-                        .await;
-                    res.is_ok()
-                }
+                async move { common::raw::raw_heartbeat(&mut conn, &script, &keys[i]).await }
             })
             .boxed()
         }

@@ -16,3 +16,25 @@ pub fn heartbeat_keys(store: &SessionStore, runs: &[RunClient]) -> Vec<(String, 
         })
         .collect()
 }
+
+/// One bare renew of `keys`' session, as the heartbeat's baseline: true when Redis ran it.
+pub async fn raw_heartbeat(
+    conn: &mut redis::aio::MultiplexedConnection,
+    script: &redis::Script,
+    keys: &(String, String, String, String),
+) -> bool {
+    let (session, record, identity, hash) = keys;
+    let now = chrono::Utc::now().timestamp_millis();
+    let res: redis::RedisResult<redis::Value> = script
+        .key(session)
+        .key(record)
+        .key(identity)
+        .arg(hash)
+        .arg("1")
+        .arg(now)
+        .arg("")
+        .arg("")
+        .invoke_async(conn)
+        .await;
+    res.is_ok()
+}
