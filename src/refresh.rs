@@ -147,7 +147,10 @@ async fn listen_loop(pool: PgPool, senders: Senders) {
     const RETRY: Duration = Duration::from_secs(2);
     while !senders.registrations.is_closed() {
         let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
-            Ok(listener) => listener,
+            Ok(mut listener) => {
+                listener.eager_reconnect(false);
+                listener
+            }
             Err(error) => {
                 warn!(%error, "refresh signals: cannot connect to LISTEN; retrying");
                 tokio::time::sleep(RETRY).await;
@@ -161,10 +164,16 @@ async fn listen_loop(pool: PgPool, senders: Senders) {
         }
         senders.deliver_all();
         loop {
-            match listener.recv().await {
-                Ok(notification) => senders.deliver(notification.channel(), notification.payload()),
+            // Not `recv`: it reconnects silently, and what was sent meanwhile would be
+            // lost without the `deliver_all` a new connection owes.
+            match listener.try_recv().await {
+                Ok(Some(notification)) => senders.deliver(notification.channel(), notification.payload()),
+                Ok(None) => {
+                    warn!("refresh signals: listener lost its connection; reconnecting");
+                    break;
+                }
                 Err(error) => {
-                    warn!(%error, "refresh signals: listener lost its connection; reconnecting");
+                    warn!(%error, "refresh signals: listener failed; reconnecting");
                     break;
                 }
             }

@@ -241,6 +241,63 @@ async fn cancels_reach_the_run_and_the_grace_ends_them_anyway() {
     assert_eq!((status, code(&body)), (409, "job_finished"));
 }
 
+/// A cancel this replica did not take (another replica's API, the fence of a new master
+/// term: here the same UPDATE, made in Postgres) still reaches the Run's heartbeat here,
+/// also when the replica's connection that listens for them was cut just before.
+#[tokio::test]
+async fn a_cancel_taken_elsewhere_reaches_the_heartbeat_here_even_across_a_lost_listener() {
+    let w = World::start("jobs-cancel-signal", &[]).await;
+    let p = Platform::new(&w);
+    let run = started_run(&w, "run-a", "srv-a").await;
+    let request_cancel = |id: String| {
+        let pool = w.db.pool.clone();
+        async move {
+            let id = uuid::Uuid::parse_str(&id).expect("uuid");
+            let n = sqlx::query(
+                "UPDATE runtime_jobs SET cancel_requested_at = now(), cancel_reason = 'elsewhere' WHERE id = $1",
+            )
+            .bind(id)
+            .execute(&pool)
+            .await
+            .expect("request a cancel in Postgres")
+            .rows_affected();
+            assert_eq!(n, 1);
+        }
+    };
+    let first = id_of(&p.queued("srv-a", "config", json!({})).await);
+    let second = id_of(&p.queued("srv-a", "config", json!({})).await);
+    assert_eq!(run.claim(2).await.expect("claim").len(), 2);
+    assert_eq!(run.heartbeat().await.expect("heartbeat")["cancel"], json!([]), "nothing asked yet");
+
+    request_cancel(first.clone()).await;
+    eventually(5, "the heartbeat names the job cancelled elsewhere", || async {
+        (run.heartbeat().await.expect("heartbeat")["cancel"] == json!([first])).then_some(())
+    })
+    .await;
+
+    // Cut every LISTEN connection of the operator, then ask again at once.
+    let cut: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+          WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_one(&w.db.pool)
+    .await
+    .expect("terminate the listeners");
+    assert!(cut >= 1, "the operator listens for cancels");
+    request_cancel(second.clone()).await;
+    eventually(5, "the heartbeat names both, the listener cut notwithstanding", || async {
+        let cancel = run.heartbeat().await.expect("heartbeat")["cancel"].clone();
+        (cancel.as_array().map(Vec::len) == Some(2)).then_some(())
+    })
+    .await;
+    let named = run.heartbeat().await.expect("heartbeat")["cancel"].clone();
+    assert!(named == json!([first, second]) || named == json!([second, first]), "{named}");
+    for id in [&first, &second] {
+        complete(&run, id, json!({"outcome": "cancelled"})).await.expect("complete as cancelled");
+    }
+    assert_eq!(run.heartbeat().await.expect("heartbeat")["cancel"], json!([]));
+}
+
 /// A cancel and a complete of one running job at the same instant: exactly one wins and
 /// the other is told (the job ends once, in the state the winner gave it).
 #[tokio::test]

@@ -612,7 +612,7 @@ pub async fn cancel_job(
     let reason = CancelBody::reason_of(&body)?;
     let caller = state.auth.authenticate(&headers, peer).await?;
     state.auth.authorize(&caller, "update", RESOURCE, &q.namespace).await?;
-    match state.registry.jobs.cancel(&q.namespace, id, reason.as_deref()).await? {
+    match state.registry.cancel(&q.namespace, id, reason.as_deref()).await? {
         Some(Cancel::Cancelled(job)) => Ok((StatusCode::OK, Json(job))),
         Some(Cancel::Requested(job)) => Ok((StatusCode::ACCEPTED, Json(job))),
         Some(Cancel::Finished(job)) => Err(job_finished(job.state)),

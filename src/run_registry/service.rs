@@ -15,7 +15,8 @@ use uuid::Uuid;
 
 use super::RegistryError;
 use super::identity::{Acting, HelloMark, Identity, IdentityStore};
-use super::jobs::{Eligibility, Job, JobStore, Step, StepRefused};
+use super::jobs::{Cancel, Eligibility, Job, JobStore, Step, StepRefused};
+use super::pending_cancels::PendingCancels;
 use super::proof;
 use super::sessions::{HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
 use crate::crd::RunTarget;
@@ -309,6 +310,8 @@ pub struct RunRegistry {
     pub sessions: SessionStore,
     pub identities: IdentityStore,
     pub jobs: JobStore,
+    /// Which addresses a heartbeat must read cancel requests for (one set per process).
+    pub cancels: PendingCancels,
     pub default_lease_seconds: u32,
 }
 
@@ -437,12 +440,34 @@ impl RunRegistry {
     }
 
     /// The jobs the session's Run holds whose cancel was requested (its heartbeat
-    /// answer). A session that no longer acts for its identity holds none.
+    /// answer). A session that no longer acts for its identity holds none. Postgres is
+    /// read only when a cancel may be pending for the address (`PendingCancels`).
     pub async fn cancel_requested(&self, address: &RunAddress, session: &Session) -> Result<Vec<Uuid>, RegistryError> {
+        if !self.cancels.may_have(address) {
+            return Ok(vec![]);
+        }
         match self.acting_namespace(address, session).await? {
             Some(namespace) => self.jobs.cancel_requested(&namespace, address).await,
             None => Ok(vec![]),
         }
+    }
+
+    /// Cancels a job of `namespace` (`JobStore::cancel`); a request for a job in flight
+    /// is noted here at once, so its Run's next heartbeat on this replica hears of it.
+    pub async fn cancel(
+        &self,
+        namespace: &str,
+        id: Uuid,
+        reason: Option<&str>,
+    ) -> Result<Option<Cancel>, RegistryError> {
+        let done = self.jobs.cancel(namespace, id, reason).await?;
+        if let Some(Cancel::Requested(job)) = &done {
+            self.cancels.note(&RunAddress {
+                server_instance_id: job.server_instance_id.clone(),
+                component_kind: job.component_kind.clone(),
+            });
+        }
+        Ok(done)
     }
 
     pub async fn step(
