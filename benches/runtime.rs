@@ -240,11 +240,20 @@ async fn main() {
     let el_db = support::TestDb::new().await;
     let raw2_db = support::TestDb::new().await;
     for pool in [&el_db.pool, &raw2_db.pool] {
-        sqlx::query("INSERT INTO controller_projects (namespace, project_id, term, master_id) VALUES ($1, 'P', 7, gen_random_uuid())")
+        // Project P at term 7 with a live master (the fences of term 7 hold).
+        let master = uuid::Uuid::new_v4();
+        sqlx::query("INSERT INTO controller_projects (namespace, project_id, term) VALUES ($1, 'P', 7)")
             .bind(&ns)
             .execute(pool)
             .await
             .expect("project");
+        for sql in [
+            "INSERT INTO controller_registrations (id, namespace, name, project_id, session_id, agent_surface, is_master, master_term)
+             VALUES ($2, $1, 'master', 'P', 's', 'other', true, 7)",
+            "UPDATE controller_projects SET master_id = $2 WHERE namespace = $1 AND project_id = 'P'",
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&ns).bind(master).execute(pool).await.expect("project");
+        }
         sqlx::query(
             "INSERT INTO runtime_jobs (namespace, server_instance_id, component_kind, kind,
                  fence_namespace, fence_project_id, fence_term)

@@ -435,7 +435,11 @@ impl RunRegistry {
             let eligible = Eligibility::of(&session.capabilities, &session.capacity);
             self.jobs.claim(&namespace, address, session.session_id, max, &eligible).await?
         };
-        let cancel = self.jobs.cancel_requested(&namespace, address).await?;
+        let cancel = if self.cancels.may_have(address) {
+            self.jobs.cancel_requested(&namespace, address).await?
+        } else {
+            Vec::new()
+        };
         Ok(Ok(Claim { jobs, cancel }))
     }
 
