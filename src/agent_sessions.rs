@@ -94,6 +94,35 @@ pub struct RoutingTable {
     pub caller: Option<RouteEntry>,
 }
 
+/// Which change of a project a routing table shows: `<term>.<seq>` on a watch (SPEC
+/// §11), `seq` counting the project's election writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChangeId {
+    pub term: i64,
+    pub seq: i64,
+}
+
+impl std::fmt::Display for ChangeId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.term, self.seq)
+    }
+}
+
+impl std::str::FromStr for ChangeId {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        let (term, seq) = s.split_once('.').ok_or(())?;
+        Ok(ChangeId { term: term.parse().map_err(|_| ())?, seq: seq.parse().map_err(|_| ())? })
+    }
+}
+
+/// A routing table and the change it shows.
+#[derive(Clone, Debug)]
+pub struct RoutingChange {
+    pub id: ChangeId,
+    pub table: RoutingTable,
+}
+
 /// The result of a registration call.
 #[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct Registered {
@@ -374,9 +403,30 @@ impl AgentService {
         project_id: &str,
         session_id: Option<&str>,
     ) -> Result<RoutingTable, ElectionError> {
+        Ok(self.routing_change(namespace, project_id, session_id).await?.table)
+    }
+
+    /// The session's undelivered nudges, marked delivered (`ElectionStore::take_nudges`).
+    pub async fn take_nudges(
+        &self,
+        namespace: &str,
+        session_id: &str,
+        caller: &str,
+    ) -> Result<Vec<crate::election::store::Nudge>, ElectionError> {
+        self.store.take_nudges(namespace, session_id, caller).await
+    }
+
+    /// The routing table, with the change of the project it shows (a watch's event id).
+    pub async fn routing_change(
+        &self,
+        namespace: &str,
+        project_id: &str,
+        session_id: Option<&str>,
+    ) -> Result<RoutingChange, ElectionError> {
         let view = self.store.project(namespace, project_id).await?;
         let stale = self.store.recently_stale(namespace, project_id, Utc::now() - STALE_WINDOW).await?;
-        Ok(RoutingTable {
+        let id = ChangeId { term: view.term, seq: view.changes };
+        let table = RoutingTable {
             project_id: project_id.to_string(),
             namespace: namespace.to_string(),
             term: view.term,
@@ -384,7 +434,8 @@ impl AgentService {
             peers: view.live.iter().filter(|r| !r.is_master).map(RouteEntry::from).collect(),
             stale: stale.iter().map(RouteEntry::from).collect(),
             caller: session_id.and_then(|s| view.live.iter().find(|r| r.session_id == s)).map(RouteEntry::from),
-        })
+        };
+        Ok(RoutingChange { id, table })
     }
 
     /// The project's master if `term` is its current master term: lets downstream systems

@@ -31,6 +31,18 @@ pub async fn connect_with(url: &str, max_connections: u32) -> Result<PgPool, DbE
         .map_err(|source| DbError::Connect { url: crate::config::redact_url(url), source })
 }
 
+/// A pool of one connection to the same database as `pool`, for a LISTEN: a listener
+/// holds its connection for good, and taken from `pool` it would be one fewer for
+/// queries (with a pool of one, none). Connects when first used.
+pub fn listener_pool(pool: &PgPool) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .connect_lazy_with(pool.connect_options().as_ref().clone())
+}
+
 /// Applies every pending migration; a second call is a no-op.
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
     MIGRATOR.run(pool).await?;

@@ -17,6 +17,7 @@ pub mod reconcilers;
 // uses to speak it.
 pub mod api;
 pub mod run_client;
+pub mod signals;
 pub mod transport;
 // Process: configuration, subcommands, database connection, logs and metrics.
 pub mod commands;

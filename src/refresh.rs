@@ -145,6 +145,8 @@ pub fn listen(pool: PgPool) -> (Receivers, impl Future<Output = ()>) {
 
 async fn listen_loop(pool: PgPool, senders: Senders) {
     const RETRY: Duration = Duration::from_secs(2);
+    // A connection of its own: one taken from the controllers' pool would be one fewer.
+    let pool = crate::db::listener_pool(&pool);
     while !senders.registrations.is_closed() {
         let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
             Ok(mut listener) => {

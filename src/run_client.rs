@@ -214,6 +214,11 @@ impl RunClient {
         self.token.as_deref().ok_or(ClientError::NoSession)
     }
 
+    /// The session token of the last hello, for calls this client does not make itself.
+    pub fn session_token(&self) -> Option<&str> {
+        self.token.as_deref()
+    }
+
     pub async fn heartbeat(&self) -> Result<Value, ClientError> {
         let mut body = json!({"capabilities": self.capabilities, "capacity": self.capacity});
         if let Some(draining) = self.draining {
@@ -235,11 +240,19 @@ impl RunClient {
 
     /// A claim's whole answer: the jobs claimed, and the held jobs to stop.
     pub async fn claim_and_cancels(&self, max: i64) -> Result<Claimed, ClientError> {
+        self.claim_waiting(max, 0).await
+    }
+
+    /// A long-poll claim (SPEC §11): answered at once when a job is claimable or a cancel
+    /// is pending, else when one comes, or empty after `wait_seconds` (0 to 60).
+    pub async fn claim_waiting(&self, max: i64, wait_seconds: u64) -> Result<Claimed, ClientError> {
+        let body =
+            if wait_seconds == 0 { json!({"max": max}) } else { json!({"max": max, "wait_seconds": wait_seconds}) };
         let r = self
             .http
             .post(format!("{}/api/v1/runtime/jobs/claim", self.base))
             .bearer_auth(self.token()?)
-            .json(&json!({"max": max}))
+            .json(&body)
             .send()
             .await?;
         answer(r).await

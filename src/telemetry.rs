@@ -69,6 +69,7 @@ pub struct Metrics {
     pub heartbeats: Counter,
     pub heartbeat_flushes: Counter,
     pub claim_seconds: Histogram,
+    pub claims_waiting: Gauge,
     election_events: Family<CauseLabels, Gauge>,
     registrations: Family<RoleLabels, Gauge>,
     pub runs_online: Gauge,
@@ -106,6 +107,7 @@ impl Default for Metrics {
         let heartbeats = Counter::default();
         let heartbeat_flushes = Counter::default();
         let claim_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        let claims_waiting = Gauge::default();
         let election_events = Family::<CauseLabels, Gauge>::default();
         let registrations = Family::<RoleLabels, Gauge>::default();
         let runs_online = Gauge::default();
@@ -119,6 +121,11 @@ impl Default for Metrics {
             "runtime_claim_duration_seconds",
             "Job claim latency (token check + claim)",
             claim_seconds.clone(),
+        );
+        registry.register(
+            "runtime_claims_waiting",
+            "Long-poll claims waiting on this replica for a job (SPEC §11)",
+            claims_waiting.clone(),
         );
         registry.register(
             "election_events",
@@ -166,6 +173,7 @@ impl Default for Metrics {
             heartbeats,
             heartbeat_flushes,
             claim_seconds,
+            claims_waiting,
             election_events,
             registrations,
             runs_online,

@@ -662,3 +662,141 @@ async fn a_master_agent_queues_fenced_work_over_mcp_and_a_preempted_one_cannot()
     .await;
     assert_eq!(out["answers"][0]["structured"]["error"]["code"], "forbidden");
 }
+
+/// SPEC §11 long poll: a claim that finds nothing waits, holding no Postgres connection,
+/// and is answered the moment work arrives — a job queued through another replica, a
+/// cancel requested there for a job it holds, a retried job at the end of its backoff —
+/// or empty when its wait ends. A cancel it already knew of does not end the wait.
+#[tokio::test]
+async fn long_poll_claims_are_answered_when_work_arrives_on_any_replica() {
+    use std::time::Instant;
+    let w = World::start("jobs-long-poll", &[]).await;
+    let env = [("REDIS_URL", w.redis.url.as_str()), ("PRISM_REDIS_PREFIX", w.prefix.as_str())];
+    let other = support::Operator::start(w.cp, &w.db.url, &w.ns, &env).await;
+    let p = Platform::new(&w);
+    let elsewhere = Platform { base: other.base.clone(), ns: w.ns.clone(), token: p.token.clone() };
+    let run = std::sync::Arc::new(started_run(&w, "run-a", "srv-a").await);
+    let waiting = |wait: u64| {
+        let run = run.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            (run.claim_waiting(1, wait).await.expect("long-poll claim"), started.elapsed())
+        })
+    };
+    let api_connections = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'active'
+               AND query NOT LIKE '%pg_stat_activity%'",
+        )
+        .fetch_one(&w.db.pool)
+        .await
+        .expect("pg_stat_activity")
+    };
+
+    // Nothing queued: empty when the wait ends, not before.
+    let (empty, took) = waiting(2).await.expect("task");
+    assert!(empty.jobs.is_empty() && empty.cancel.is_empty());
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(4), "answered after {took:?}");
+
+    // A job queued through the other replica reaches the claim waiting here at once.
+    let claim = waiting(30);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!claim.is_finished(), "nothing to claim yet: it waits");
+    assert_eq!(api_connections().await, 0, "a waiting claim holds no Postgres connection busy");
+    let queued_at = Instant::now();
+    let id = id_of(&elsewhere.queued("srv-a", "config", json!({})).await);
+    let (claimed, _) = claim.await.expect("task");
+    let dispatch = queued_at.elapsed();
+    assert_eq!(claimed.jobs.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), vec![id.clone()]);
+    assert!(dispatch < Duration::from_secs(2), "enqueue to claim took {dispatch:?}");
+    run.step(&claimed.jobs[0].id, "ack", None).await.expect("ack");
+
+    // A cancel requested through the other replica ends a wait here.
+    let claim = waiting(30);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(elsewhere.cancel(&id, None).await.0, 202);
+    let (told, took) = claim.await.expect("task");
+    assert_eq!(told.cancel.iter().map(|j| j.to_string()).collect::<Vec<_>>(), vec![id.clone()]);
+    assert!(took < Duration::from_secs(3), "told after {took:?}");
+    // Known now: the next wait is not cut short by it, and still lists it at the end.
+    let (again, took) = waiting(2).await.expect("task");
+    assert!(
+        took >= Duration::from_secs(2),
+        "a known cancel answered at once ({took:?}): a Run finishing it would spin"
+    );
+    assert_eq!(again.cancel.len(), 1);
+    complete(&run, &id, json!({"outcome": "cancelled"})).await.expect("complete as cancelled");
+
+    // A retryable failure comes back after its backoff (2 s ± 20 %): the waiting claim
+    // is woken then, with no new signal.
+    let retried = id_of(&p.queued("srv-a", "config", json!({})).await);
+    assert_eq!(run.claim(1).await.expect("claim").len(), 1);
+    complete(&run, &retried, json!({"outcome": "failed", "retryable": true, "error": "busy"})).await.expect("fail");
+    let (back, took) = waiting(30).await.expect("task");
+    assert_eq!(back.jobs.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), vec![retried]);
+    assert!(took >= Duration::from_millis(1200) && took < Duration::from_secs(5), "woken after {took:?}");
+
+    // Bad waits are refused and claim nothing.
+    let _ = p.queued("srv-a", "config", json!({})).await;
+    for body in [json!({"wait_seconds": 61}), json!({"wait_seconds": -1}), json!({"wait_seconds": "5"})] {
+        let r = http()
+            .post(format!("{}/api/v1/runtime/jobs/claim", w.op.base))
+            .bearer_auth(run.session_token().expect("token"))
+            .json(&body)
+            .send()
+            .await
+            .expect("claim");
+        assert_eq!(r.status().as_u16(), 422, "{body}");
+    }
+    assert_eq!(run.claim(1).await.expect("the job is still there").len(), 1);
+}
+
+/// A waiting claim misses nothing when the replica's listener loses its connection
+/// (it looks again once reconnected), and ends with a clean empty answer when the replica
+/// stops (SIGTERM), so its Run asks another.
+#[tokio::test]
+async fn a_waiting_claim_survives_a_lost_listener_and_ends_when_its_replica_stops() {
+    use std::time::Instant;
+    let mut w = World::start("jobs-long-poll-faults", &[]).await;
+    let p = Platform::new(&w);
+    let run = std::sync::Arc::new(started_run(&w, "run-a", "srv-a").await);
+    let waiting = |wait: u64| {
+        let run = run.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            (run.claim_waiting(1, wait).await, started.elapsed())
+        })
+    };
+
+    let claim = waiting(30);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let cut: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+          WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_one(&w.db.pool)
+    .await
+    .expect("terminate the listeners");
+    assert!(cut >= 1, "the operator listens");
+    // Queued while no listener hears it.
+    let id = id_of(&p.queued("srv-a", "config", json!({})).await);
+    let (claimed, took) = claim.await.expect("task");
+    let claimed = claimed.expect("claim");
+    assert_eq!(claimed.jobs.iter().map(|j| j.id.to_string()).collect::<Vec<_>>(), vec![id]);
+    assert!(took < Duration::from_secs(10), "found after the reconnect, {took:?} into its wait");
+
+    let claim = waiting(30);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stopped_at = Instant::now();
+    let killed = std::process::Command::new("kill").args(["-TERM", &w.op.pid().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let (answer, _) = claim.await.expect("task");
+    let answer = answer.expect("a clean answer, not a cut connection");
+    assert!(answer.jobs.is_empty());
+    assert!(stopped_at.elapsed() < Duration::from_secs(3), "the wait ended {:?} after SIGTERM", stopped_at.elapsed());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while w.op.exited().is_none() {
+        assert!(Instant::now() < deadline, "still running 10 s after SIGTERM:\n{}", w.op.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

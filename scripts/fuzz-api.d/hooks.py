@@ -14,6 +14,10 @@
   WROTE-LATE" in the log, which fails the run as well).
 - An accepted register's project_id and session_id are printable (`printable_ids`,
   SPEC §3.1).
+- A long-poll claim (SPEC §11) that would wait more than a second is sent with
+  `wait_seconds: 1` (0, 1 and what is out of bounds are sent as generated):
+  with no job queued for the fuzz's Run each would wait its whole time, and a hundred
+  of them half an hour.
 """
 
 import json
@@ -53,9 +57,18 @@ def _named(case):
     return session_strings(body, dict(case.query or {}))
 
 
+def _short_wait(case):
+    body = case.body
+    if case.path.endswith("/jobs/claim") and isinstance(body, dict):
+        wait = body.get("wait_seconds")
+        if isinstance(wait, int) and not isinstance(wait, bool) and 1 < wait <= 60:
+            body["wait_seconds"] = 1
+
+
 @schemathesis.hook
 def before_call(ctx, case, **kwargs):
     global _before, _last_refusal
+    _short_wait(case)
     _before = durable().snapshot()
     if _last_refusal is not None:
         after, what = _last_refusal

@@ -252,6 +252,10 @@ pub struct StatusQuery {
 }
 
 impl StatusQuery {
+    pub fn session_id(&self) -> Option<&str> {
+        self.session_id.as_deref()
+    }
+
     /// The namespace, once the query and the path's project id are checked.
     pub fn check(&self, project_id: &str) -> Result<String, ApiError> {
         let namespace =

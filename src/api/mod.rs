@@ -26,6 +26,7 @@ pub mod limits;
 pub mod mcp;
 pub mod runs;
 pub mod strict;
+pub mod watch;
 
 pub use error::{ApiError, ApiJson};
 
@@ -43,6 +44,10 @@ pub struct AppState {
     pub registry: RunRegistry,
     pub metrics: Arc<Metrics>,
     pub mcp: mcp::McpConfig,
+    /// True once the process is stopping: long polls answer at once (SPEC §11).
+    pub stopping: tokio::sync::watch::Receiver<bool>,
+    /// What this replica hears of change on any replica (long polls, watches).
+    pub signals: crate::signals::Signals,
 }
 
 /// Every route of `/api/v1`, each with its OpenAPI operation: the router and the
@@ -56,6 +61,7 @@ pub fn api_routes() -> OpenApiRouter<Arc<AppState>> {
         .routes(routes!(agents::fence))
         .routes(routes!(agents::release))
         .routes(routes!(agents::status))
+        .routes(routes!(watch::watch))
         .routes(routes!(runs::hello))
         .routes(routes!(runs::heartbeat))
         .routes(routes!(runs::enqueue, runs::list_jobs))

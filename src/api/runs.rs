@@ -43,6 +43,9 @@ use crate::run_registry::{RunAddress, Session};
 
 const RESOURCE: &str = "runsessions";
 const MAX_CLAIM: i64 = 100;
+/// The longest a claim waits (SPEC §11); the request timeout of the route is this plus
+/// the usual limit (`transport::timeout::WAITING_ROUTES`).
+pub const MAX_CLAIM_WAIT_SECONDS: i64 = 60;
 
 /// A JSON body that may be absent (empty, or `null`), with our error codes when present
 /// but bad; read strictly, as `ApiJson` reads. The whole body must be one JSON value.
@@ -620,6 +623,22 @@ pub async fn cancel_job(
     }
 }
 
+/// A long-poll claim counted while it waits.
+struct Waiting<'a>(&'a crate::telemetry::Metrics);
+
+impl<'a> Waiting<'a> {
+    fn on(metrics: &'a crate::telemetry::Metrics) -> Self {
+        metrics.claims_waiting.inc();
+        Waiting(metrics)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.claims_waiting.dec();
+    }
+}
+
 fn job_finished(state: JobState) -> ApiError {
     ApiError::conflict("job_finished", format!("the job is {state}"))
 }
@@ -631,17 +650,35 @@ pub struct ClaimBody {
     #[schema(minimum = 1, maximum = 100)]
     #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
     max: Option<i64>,
+    /// Long poll (SPEC §11): when nothing is claimable now, wait up to this many seconds
+    /// for a job queued for this Run, a slot freed or a cancel requested (default 0:
+    /// answer at once). A waiting claim renews nothing: keep heartbeating.
+    #[schema(minimum = 0, maximum = 60)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
+    wait_seconds: Option<i64>,
+}
+
+/// What a claim asks for, checked.
+#[derive(Debug, PartialEq)]
+pub struct ClaimAsk {
+    pub max: i64,
+    pub wait: std::time::Duration,
 }
 
 impl ClaimBody {
-    /// How many jobs a claim body (maybe empty) asks for, checked.
-    pub fn max_of(body: &[u8]) -> Result<i64, ApiError> {
-        let max = optional_json::<ClaimBody>(body)?.and_then(|b| b.max).unwrap_or(1);
-        if (1..=MAX_CLAIM).contains(&max) {
-            Ok(max)
-        } else {
-            Err(ApiError::invalid(format!("max must be 1 to {MAX_CLAIM}")))
+    /// What a claim body (maybe empty) asks for, checked.
+    pub fn parse(body: &[u8]) -> Result<ClaimAsk, ApiError> {
+        let b = optional_json::<ClaimBody>(body)?;
+        let (max, wait) = b.map(|b| (b.max, b.wait_seconds)).unwrap_or_default();
+        let max = max.unwrap_or(1);
+        if !(1..=MAX_CLAIM).contains(&max) {
+            return Err(ApiError::invalid(format!("max must be 1 to {MAX_CLAIM}")));
         }
+        let wait = wait.unwrap_or(0);
+        if !(0..=MAX_CLAIM_WAIT_SECONDS).contains(&wait) {
+            return Err(ApiError::invalid(format!("wait_seconds must be 0 to {MAX_CLAIM_WAIT_SECONDS}")));
+        }
+        Ok(ClaimAsk { max, wait: std::time::Duration::from_secs(wait.unsigned_abs()) })
     }
 }
 
@@ -674,12 +711,26 @@ pub async fn claim(
     headers: HeaderMap,
     ApiBody(body): ApiBody,
 ) -> Result<Json<Claimed>, ApiError> {
-    let max = ClaimBody::max_of(&body)?;
+    let ask = ClaimBody::parse(&body)?;
     // No session (Redis down included) means no job is assigned.
     let started = std::time::Instant::now();
     let (address, session) = authenticated(&state, &headers).await?;
-    let claim = state.registry.claim(&address, &session, max).await?.map_err(session_refused)?;
-    state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
+    let claim = if ask.wait.is_zero() {
+        let claim = state.registry.claim(&address, &session, ask.max).await?;
+        state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
+        claim
+    } else {
+        let _waiting = Waiting::on(&state.metrics);
+        let until = tokio::time::Instant::now() + ask.wait;
+        let mut stopping = state.stopping.clone();
+        let stop = async move {
+            // A dropped sender also means the server is stopping.
+            let _ = stopping.wait_for(|stop| *stop).await;
+        };
+        let token = session_token(&headers)?;
+        state.registry.claim_waiting(token, &address, session, ask.max, until, stop).await?
+    }
+    .map_err(session_refused)?;
     let now = Utc::now();
     for job in claim.jobs.iter().filter(|j| j.attempts == 1) {
         state.metrics.job_dispatch_seconds.observe((now - job.created_at).as_seconds_f64().max(0.0));
@@ -1035,10 +1086,15 @@ mod tests {
 
     #[test]
     fn optional_bodies_take_empty_and_null_and_refuse_trailing_bytes() {
-        assert_eq!(ClaimBody::max_of(b"").ok(), Some(1));
-        assert_eq!(ClaimBody::max_of(b" null ").ok(), Some(1));
-        assert_eq!(ClaimBody::max_of(br#"{"max": 7}"#).ok(), Some(7));
-        let e = ClaimBody::max_of(br#"{"max": 7} x"#).err().map(|e| e.code);
+        let ask = |max, wait| Some(ClaimAsk { max, wait: std::time::Duration::from_secs(wait) });
+        assert_eq!(ClaimBody::parse(b"").ok(), ask(1, 0));
+        assert_eq!(ClaimBody::parse(b" null ").ok(), ask(1, 0));
+        assert_eq!(ClaimBody::parse(br#"{"max": 7}"#).ok(), ask(7, 0));
+        assert_eq!(ClaimBody::parse(br#"{"max": 7, "wait_seconds": 60}"#).ok(), ask(7, 60));
+        for refused in [&br#"{"wait_seconds": 61}"#[..], br#"{"wait_seconds": -1}"#, br#"{"wait_seconds": "5"}"#] {
+            assert!(ClaimBody::parse(refused).is_err_and(|e| e.status.is_client_error()));
+        }
+        let e = ClaimBody::parse(br#"{"max": 7} x"#).err().map(|e| e.code);
         assert_eq!(e, Some("malformed_json"));
         assert!(ProgressBody::parse(b"null").is_err());
         assert!(ProgressBody::parse(br#"{"progress": "a\u0000"}"#).is_err());
@@ -1077,11 +1133,12 @@ mod tests {
             }
         }
 
-        /// `max` is any JSON number the caller likes; only 1..=100 passes.
+        /// `max` and `wait_seconds` are any JSON the caller likes; only 1..=100 and
+        /// 0..=60 pass.
         #[test]
-        fn claim_bodies(bytes in body_bytes(json!({"max": 5}))) {
-            match ClaimBody::max_of(&bytes) {
-                Ok(max) => prop_assert!((1..=MAX_CLAIM).contains(&max)),
+        fn claim_bodies(bytes in body_bytes(json!({"max": 5, "wait_seconds": 30}))) {
+            match ClaimBody::parse(&bytes) {
+                Ok(ask) => prop_assert!((1..=MAX_CLAIM).contains(&ask.max) && ask.wait.as_secs() <= 60),
                 Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
             }
         }

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use tracing::{info, warn};
 
 use crate::config::DemoRunArgs;
@@ -15,33 +17,18 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
         RunClient::new(&args.api, &args.server_instance_id, &args.component_kind, args.generation, key).with_http(http);
     let mut granted = client.hello().await?;
     info!(server = %args.server_instance_id, component = %args.component_kind, lease = granted.lease_ttl_seconds, "session started");
+    let every = |granted: &run_client::Granted| Duration::from_secs(granted.heartbeat_interval_seconds.max(1));
+    let mut next_beat = Instant::now() + every(&granted);
     loop {
-        tokio::select! {
+        // Long poll until the next heartbeat is due (SPEC §11): a job queued for this Run,
+        // or a cancel of one it holds, answers the claim at once.
+        let wait = next_beat.saturating_duration_since(Instant::now()).as_secs().min(60);
+        let claimed = tokio::select! {
             _ = tokio::signal::ctrl_c() => { info!("stopping; the lease expires on its own"); return Ok(()); }
-            _ = tokio::time::sleep(Duration::from_secs(granted.heartbeat_interval_seconds.max(1))) => {}
-        }
-        let beat = client.heartbeat().await;
-        let mut stop: Vec<uuid::Uuid> = match beat {
-            Ok(answer) => match serde_json::from_value(answer["cancel"].clone()) {
-                Ok(ids) => ids,
-                Err(e) => {
-                    warn!(error = %e, "the heartbeat's cancel list could not be read; the claim answer repeats it");
-                    vec![]
-                }
-            },
-            Err(e) => match e.code() {
-                Some("session_superseded" | "session_expired") => {
-                    warn!(error = %e, "session lost; saying hello again");
-                    granted = client.hello().await?;
-                    continue;
-                }
-                _ => {
-                    warn!(error = %e, "heartbeat failed; retrying");
-                    continue;
-                }
-            },
+            claimed = client.claim_waiting(10, wait) => claimed,
         };
-        match client.claim_and_cancels(10).await {
+        let mut stop: Vec<uuid::Uuid> = Vec::new();
+        match claimed {
             Ok(claimed) => {
                 stop.extend(claimed.cancel);
                 for job in claimed.jobs {
@@ -63,10 +50,40 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
                     }
                 }
             }
-            Err(ClientError::Refused { code, .. }) if code == "runtime_registry_unavailable" => {
-                warn!("runtime registry unavailable; no jobs assigned")
+            Err(e) if matches!(e.code(), Some("session_superseded" | "session_expired")) => {
+                warn!(error = %e, "session lost; saying hello again");
+                granted = client.hello().await?;
+                next_beat = Instant::now() + every(&granted);
+                continue;
             }
-            Err(e) => warn!(error = %e, "claim failed"),
+            Err(ClientError::Refused { code, .. }) if code == "runtime_registry_unavailable" => {
+                warn!("runtime registry unavailable; no jobs assigned");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => {
+                warn!(error = %e, "claim failed; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+        if Instant::now() >= next_beat {
+            next_beat = Instant::now() + every(&granted);
+            match client.heartbeat().await {
+                Ok(answer) => match serde_json::from_value::<Vec<uuid::Uuid>>(answer["cancel"].clone()) {
+                    Ok(ids) => stop.extend(ids),
+                    Err(e) => {
+                        warn!(error = %e, "the heartbeat's cancel list could not be read; the claim answer repeats it")
+                    }
+                },
+                Err(e) => match e.code() {
+                    Some("session_superseded" | "session_expired") => {
+                        warn!(error = %e, "session lost; saying hello again");
+                        granted = client.hello().await?;
+                        next_beat = Instant::now() + every(&granted);
+                        continue;
+                    }
+                    _ => warn!(error = %e, "heartbeat failed; retrying"),
+                },
+            }
         }
         // Honour cancels: the job stops here and is completed as cancelled.
         stop.sort();

@@ -19,8 +19,8 @@ use crate::reconcilers::status::Written;
 use crate::run_registry::SessionStore;
 use crate::run_registry::identity::IdentityStore;
 use crate::run_registry::jobs::{JobSettings, JobStore};
-use crate::run_registry::pending_cancels::PendingCancels;
 use crate::run_registry::service::RunRegistry;
+use crate::signals::Signals;
 use crate::telemetry::Metrics;
 use crate::transport;
 
@@ -40,9 +40,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         per_owner: args.max_sessions_per_identity,
         per_namespace: args.max_sessions_per_namespace,
     };
-    // One set for both registries; every replica follows it (its API answers heartbeats).
-    let cancels = PendingCancels::default();
-    tokio::spawn(cancels.clone().follow(api_pool.clone()));
+    // One for both registries; every replica listens (its API answers heartbeats and claims).
+    let signals = Signals::default();
+    tokio::spawn(signals.clone().follow(api_pool.clone()));
     let registry_on = |pool: &sqlx::PgPool| RunRegistry {
         sessions: sessions.clone(),
         identities: IdentityStore::new(pool.clone()),
@@ -55,7 +55,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 cancel_grace: Duration::from_secs(u64::from(args.job_cancel_grace_seconds)),
             },
         ),
-        cancels: cancels.clone(),
+        signals: signals.clone(),
         default_lease_seconds: args.run_lease_seconds,
     };
     let (api_registry, controller_registry) = (registry_on(&api_pool), registry_on(&controller_pool));
@@ -88,6 +88,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         registry: api_registry,
         metrics,
         mcp,
+        stopping: stop_rx.clone(),
+        signals: signals.clone(),
     });
     tokio::spawn(async move {
         shutdown_signal().await;

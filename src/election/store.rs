@@ -18,7 +18,7 @@ use uuid::Uuid;
 use super::ElectionError;
 use super::rules::{Candidate, Decision, Event, MasterChange, ProjectState, Transition, decide};
 use crate::crd::{AgentSurface, ReleaseReason, Role};
-use crate::db::{QueryError, Step};
+use crate::db::{QueryError, Step, text_enum};
 use crate::refresh::{self, NamespacedName};
 
 /// How often one operation is tried against concurrent transactions before it reports
@@ -174,6 +174,8 @@ impl OwnedRegistration {
 #[derive(Clone, Debug, Default)]
 pub struct ProjectView {
     pub term: i64,
+    /// How many election writes the project has had (`routing_seq`): a watch's event id.
+    pub changes: i64,
     pub master: Option<Registration>,
     /// Master first, then by succession order.
     pub live: Vec<Registration>,
@@ -294,9 +296,12 @@ impl ElectionStore {
             #[sqlx(flatten)]
             row: Registration,
             term: i64,
+            changes: i64,
         }
         let sql = format!(
-            "SELECT {COLUMNS}, (SELECT term FROM controller_projects p WHERE p.namespace = $1 AND p.project_id = $2) AS term
+            "SELECT {COLUMNS},
+                    (SELECT term FROM controller_projects p WHERE p.namespace = $1 AND p.project_id = $2) AS term,
+                    (SELECT routing_seq FROM controller_projects p WHERE p.namespace = $1 AND p.project_id = $2) AS changes
              FROM controller_registrations
              WHERE namespace = $1 AND project_id = $2 AND released_at IS NULL
              ORDER BY is_master DESC, (agent_surface = 'claude_desktop') DESC, registered_at, id"
@@ -307,20 +312,50 @@ impl ElectionStore {
             .fetch_all(&self.pool)
             .await
             .step("read the project's live registrations")?;
-        let term = match rows.first() {
-            Some(r) => r.term,
+        let (term, changes) = match rows.first() {
+            Some(r) => (r.term, r.changes),
             // No live registration: the project may still have a history (its term).
-            None => sqlx::query_scalar("SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = $2")
-                .bind(namespace)
-                .bind(project_id)
-                .fetch_optional(&self.pool)
-                .await
-                .step("read the project's term")?
-                .unwrap_or(0),
+            None => sqlx::query_as(
+                "SELECT term, routing_seq FROM controller_projects WHERE namespace = $1 AND project_id = $2",
+            )
+            .bind(namespace)
+            .bind(project_id)
+            .fetch_optional(&self.pool)
+            .await
+            .step("read the project's term")?
+            .unwrap_or((0, 0)),
         };
         let live: Vec<Registration> = rows.into_iter().map(|r| r.row).collect();
         let master = live.iter().find(|r| r.is_master).cloned();
-        Ok(ProjectView { term, master, live })
+        Ok(ProjectView { term, changes, master, live })
+    }
+
+    /// The undelivered nudges of a session, oldest first, marked delivered by this read:
+    /// each is delivered once (concurrent readers take disjoint rows). Only for a caller
+    /// that may act on the session: its owner, or anyone when none of its registrations
+    /// has one (SPEC §6), so nobody takes another's nudges.
+    pub async fn take_nudges(
+        &self,
+        namespace: &str,
+        session_id: &str,
+        caller: &str,
+    ) -> Result<Vec<Nudge>, ElectionError> {
+        Ok(sqlx::query_as(
+            "UPDATE nudges SET delivered_at = now()
+              WHERE id IN (SELECT n.id FROM nudges n
+                            WHERE n.namespace = $1 AND n.session_id = $2 AND n.delivered_at IS NULL
+                              AND NOT EXISTS (SELECT 1 FROM controller_registrations r
+                                               WHERE r.namespace = n.namespace AND r.session_id = n.session_id
+                                                 AND r.owner IS NOT NULL AND r.owner <> $3)
+                            ORDER BY n.created_at, n.id LIMIT 100 FOR UPDATE SKIP LOCKED)
+             RETURNING id, kind, project_id, payload, created_at",
+        )
+        .bind(namespace)
+        .bind(session_id)
+        .bind(caller)
+        .fetch_all(&self.pool)
+        .await
+        .step("take the session's nudges")?)
     }
 
     /// Registrations of a project released by the stale sweep since `since`.
@@ -709,6 +744,26 @@ impl ElectionStore {
     }
 }
 
+text_enum! {
+    /// What a nudge asks of its session (SPEC §11; `nudges.kind`).
+    pub enum NudgeKind {
+        /// Another registration of the session took it to another project: wrap here.
+        WrapSession = "wrap_session",
+    }
+}
+
+/// A message to an agent session (SPEC §11 "nudges are delivered").
+#[derive(Clone, Debug, PartialEq, serde::Serialize, sqlx::FromRow, utoipa::ToSchema)]
+pub struct Nudge {
+    pub id: Uuid,
+    pub kind: NudgeKind,
+    /// The project the nudge is about (a context switch: the project left).
+    pub project_id: String,
+    #[schema(value_type = Object)]
+    pub payload: sqlx::types::Json<serde_json::Value>,
+    pub created_at: DateTime<Utc>,
+}
+
 /// Rows retention deleted, by table.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Pruned {
@@ -1011,7 +1066,30 @@ async fn write_decision(
         .filter_map(|id| names.get(&id))
         .map(|name| NamespacedName::new(namespace, name.as_str()))
         .collect();
-    refresh::announce(tx, refresh::Kind::Registration, &changed).await
+    refresh::announce(tx, refresh::Kind::Registration, &changed).await?;
+    announce_routing_change(tx, namespace, project_id).await
+}
+
+/// Every decision written changes the project's routing table: its change count moves
+/// on, and every replica's watches of it are told at commit (SPEC §11).
+async fn announce_routing_change(
+    tx: &mut Transaction<'_, Postgres>,
+    namespace: &str,
+    project_id: &str,
+) -> Result<(), QueryError> {
+    sqlx::query(
+        "WITH bumped AS (
+             UPDATE controller_projects SET routing_seq = routing_seq + 1
+              WHERE namespace = $1 AND project_id = $2 RETURNING 1)
+         SELECT pg_notify($3, json_build_object('namespace', $1::text, 'project_id', $2::text)::text) FROM bumped",
+    )
+    .bind(namespace)
+    .bind(project_id)
+    .bind(crate::signals::PROJECTS)
+    .execute(&mut **tx)
+    .await
+    .step("announce the routing table's change")?;
+    Ok(())
 }
 
 /// Role changes in the decision's order (demotions and releases before promotions, so the

@@ -487,7 +487,8 @@ mod tests {
     }
 
     fn status_of(r: &Registration, master: &Registration, now_offset: i64) -> ControllerRegistrationStatus {
-        let view = ProjectView { term: 3, master: Some(master.clone()), live: vec![master.clone(), r.clone()] };
+        let view =
+            ProjectView { term: 3, changes: 0, master: Some(master.clone()), live: vec![master.clone(), r.clone()] };
         let now = r.last_heartbeat + chrono::Duration::seconds(now_offset);
         build_status(r, &view, None, Some(1), &Default::default(), chrono::Duration::minutes(10), now)
     }
@@ -559,7 +560,7 @@ mod tests {
         let mut m = row("m", true);
         m.registered_at += chrono::Duration::microseconds(123_456);
         m.last_heartbeat += chrono::Duration::microseconds(654_321);
-        let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![m.clone()] };
+        let view = ProjectView { term: 3, changes: 0, master: Some(m.clone()), live: vec![m.clone()] };
         let written = status_of(&m, &m, 1);
         let read_back: ControllerRegistrationStatus =
             serde_json::from_value(serde_json::to_value(&written).expect("json")).expect("status");
@@ -578,7 +579,7 @@ mod tests {
         let beaten = |secs: i64| {
             let mut later = m.clone();
             later.last_heartbeat += chrono::Duration::seconds(secs);
-            let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![] };
+            let view = ProjectView { term: 3, changes: 0, master: Some(m.clone()), live: vec![] };
             build_status(&later, &view, None, Some(1), &a, chrono::Duration::minutes(10), later.last_heartbeat)
         };
         let every = Duration::from_secs(120);
@@ -587,7 +588,7 @@ mod tests {
         assert!(needs_write(&a, &beaten(125), every));
         // The Stale condition is not held back: past the stale threshold it is written.
         let stale = |secs: i64| {
-            let view = ProjectView { term: 3, master: Some(m.clone()), live: vec![] };
+            let view = ProjectView { term: 3, changes: 0, master: Some(m.clone()), live: vec![] };
             build_status(
                 &m,
                 &view,

@@ -4,7 +4,6 @@
 
 pub mod identity;
 pub mod jobs;
-pub mod pending_cancels;
 pub mod projection;
 pub mod proof;
 pub mod service;

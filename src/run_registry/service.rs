@@ -16,10 +16,10 @@ use uuid::Uuid;
 use super::RegistryError;
 use super::identity::{Acting, HelloMark, Identity, IdentityStore};
 use super::jobs::{Cancel, Eligibility, Job, JobStore, Step, StepRefused};
-use super::pending_cancels::PendingCancels;
 use super::proof;
 use super::sessions::{HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
 use crate::crd::RunTarget;
+use crate::signals::Signals;
 
 const TOKEN_PREFIX: &str = "prs1";
 const NO_CAPACITY: &BTreeMap<String, i64> = &BTreeMap::new();
@@ -310,8 +310,9 @@ pub struct RunRegistry {
     pub sessions: SessionStore,
     pub identities: IdentityStore,
     pub jobs: JobStore,
-    /// Which addresses a heartbeat must read cancel requests for (one set per process).
-    pub cancels: PendingCancels,
+    /// What this process hears of jobs changing on any replica: pending cancels, the
+    /// wakes of waiting claims (one listener per process).
+    pub signals: Signals,
     pub default_lease_seconds: u32,
 }
 
@@ -435,7 +436,7 @@ impl RunRegistry {
             let eligible = Eligibility::of(&session.capabilities, &session.capacity);
             self.jobs.claim(&namespace, address, session.session_id, max, &eligible).await?
         };
-        let cancel = if self.cancels.may_have(address) {
+        let cancel = if self.signals.may_have_cancel(address) {
             self.jobs.cancel_requested(&namespace, address).await?
         } else {
             Vec::new()
@@ -443,11 +444,58 @@ impl RunRegistry {
         Ok(Ok(Claim { jobs, cancel }))
     }
 
+    /// `claim`, and when that finds no job, waits (SPEC §11 long poll) until something
+    /// may be claimable for the address — a job queued there on any replica, a slot
+    /// freed — or a cancel is requested for a job it holds, and looks again; until
+    /// `until` or `stop` (the replica is shutting down: the Run asks again elsewhere).
+    /// The answer then is the last look's (no job; the cancels still pending).
+    /// Waiting holds no Postgres connection. Each look after a wake reads the session
+    /// again: a heartbeat may have changed its kinds, slots or draining, and a newer
+    /// hello ends it.
+    pub async fn claim_waiting(
+        &self,
+        token: &str,
+        address: &RunAddress,
+        mut session: Session,
+        max: i64,
+        until: tokio::time::Instant,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<Result<Claim, SessionRefused>, RegistryError> {
+        let waiter = self.signals.run_waiter(address);
+        let mut stop = std::pin::pin!(stop);
+        // The cancels pending at the first look: the Run has heard of them (heartbeat,
+        // earlier claims); only a new one ends the wait, or a Run still finishing one
+        // would have every long poll answered at once.
+        let mut pending: Option<Vec<Uuid>> = None;
+        loop {
+            // Armed before the look, so a wake while Postgres answers is not lost.
+            let armed = waiter.armed();
+            let claim = match self.claim(address, &session, max).await? {
+                Ok(claim) => claim,
+                Err(refused) => return Ok(Err(refused)),
+            };
+            let new_cancel = pending.as_ref().is_some_and(|p| claim.cancel.iter().any(|id| !p.contains(id)));
+            if !claim.jobs.is_empty() || new_cancel || tokio::time::Instant::now() >= until {
+                return Ok(Ok(claim));
+            }
+            pending.get_or_insert_with(|| claim.cancel.clone());
+            tokio::select! {
+                _ = armed.woken() => {}
+                _ = tokio::time::sleep_until(until) => return Ok(Ok(claim)),
+                _ = &mut stop => return Ok(Ok(claim)),
+            }
+            session = match self.session(token, None).await? {
+                Ok((_, session)) => session,
+                Err(refused) => return Ok(Err(refused)),
+            };
+        }
+    }
+
     /// The jobs the session's Run holds whose cancel was requested (its heartbeat
     /// answer). A session that no longer acts for its identity holds none. Postgres is
-    /// read only when a cancel may be pending for the address (`PendingCancels`).
+    /// read only when a cancel may be pending for the address (`Signals`).
     pub async fn cancel_requested(&self, address: &RunAddress, session: &Session) -> Result<Vec<Uuid>, RegistryError> {
-        if !self.cancels.may_have(address) {
+        if !self.signals.may_have_cancel(address) {
             return Ok(vec![]);
         }
         match self.acting_namespace(address, session).await? {
@@ -466,7 +514,7 @@ impl RunRegistry {
     ) -> Result<Option<Cancel>, RegistryError> {
         let done = self.jobs.cancel(namespace, id, reason).await?;
         if let Some(Cancel::Requested(job)) = &done {
-            self.cancels.note(&RunAddress {
+            self.signals.note_cancel(&RunAddress {
                 server_instance_id: job.server_instance_id.clone(),
                 component_kind: job.component_kind.clone(),
             });

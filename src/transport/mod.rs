@@ -203,9 +203,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn untimed_routes_are_not_cut() {
-        let policy = timeout::RequestTimeout { limit: Duration::from_millis(300), untimed: &["/slow"] };
+    async fn waiting_routes_get_their_wait_and_untimed_ones_are_not_cut() {
+        const WAITING: &[(&str, Option<Duration>)] = &[("/slow", None), ("/poll", Some(Duration::from_secs(60)))];
+        let waiting = WAITING;
+        let policy = timeout::RequestTimeout { limit: Duration::from_millis(300), waiting };
         assert_eq!(policy.limit_for(Some("/slow")), None);
+        assert_eq!(policy.limit_for(Some("/poll")), Some(Duration::from_millis(60_300)));
         assert_eq!(policy.limit_for(Some("/fast")), Some(Duration::from_millis(300)));
         assert_eq!(policy.limit_for(None), Some(Duration::from_millis(300)));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

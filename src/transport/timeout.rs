@@ -3,10 +3,10 @@
 //! that hangs — is answered 408 `request_timeout` in the API's own error shape, and its
 //! handler is dropped.
 //!
-//! Routes opt out by their route template in [`UNTIMED_ROUTES`] (the matched route is
-//! known because the layer wraps each route, after routing). A route that waits on
-//! purpose (the long-poll claim, the SSE watch of SPEC §11) goes there and bounds its
-//! own wait. tower-http's `TimeoutLayer` is not used because it answers an empty body
+//! A route that waits on purpose (the long-poll claim, the SSE watch of SPEC §11) is
+//! named by its route template in [`WAITING_ROUTES`] (the matched route is known because
+//! the layer wraps each route, after routing), with the longest it waits on purpose: its
+//! limit is that plus the usual one, or none for a stream that bounds itself. tower-http's `TimeoutLayer` is not used because it answers an empty body
 //! and applies to every route it wraps; this is the same tokio timer with our body and
 //! the exemptions.
 
@@ -22,25 +22,30 @@ use tracing::warn;
 use crate::api::ApiError;
 
 /// Route templates (as axum writes them: `/api/v1/controller/{project_id}/watch`) that
-/// get no request timeout. Empty until SPEC §11's long polls and watches arrive.
-pub const UNTIMED_ROUTES: &[&str] = &[];
+/// wait on purpose, with the longest wait (`None`: no request timeout at all).
+pub const WAITING_ROUTES: &[(&str, Option<Duration>)] = &[
+    ("/api/v1/runtime/jobs/claim", Some(Duration::from_secs(crate::api::runs::MAX_CLAIM_WAIT_SECONDS.unsigned_abs()))),
+    // A stream, ended by its client, by revocation or by the server stopping.
+    ("/api/v1/controller/{project_id}/watch", None),
+];
 
 #[derive(Clone, Copy, Debug)]
 pub struct RequestTimeout {
     pub limit: Duration,
-    pub untimed: &'static [&'static str],
+    pub waiting: &'static [(&'static str, Option<Duration>)],
 }
 
 impl RequestTimeout {
     pub fn new(limit: Duration) -> Self {
-        RequestTimeout { limit, untimed: UNTIMED_ROUTES }
+        RequestTimeout { limit, waiting: WAITING_ROUTES }
     }
 
-    /// The limit of a request to `route` (None: not a route, e.g. the fallback).
+    /// The limit of a request to `route` (None: no limit). The fallback (no route) has
+    /// the usual one.
     pub fn limit_for(&self, route: Option<&str>) -> Option<Duration> {
-        match route {
-            Some(route) if self.untimed.contains(&route) => None,
-            _ => Some(self.limit),
+        match self.waiting.iter().find(|(r, _)| Some(*r) == route) {
+            Some((_, wait)) => wait.map(|wait| wait + self.limit),
+            None => Some(self.limit),
         }
     }
 

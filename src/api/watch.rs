@@ -1,0 +1,218 @@
+//! `GET /api/v1/controller/{project_id}/watch`: a project's routing table as Server-Sent
+//! Events (SPEC §11). First the table (`event: routing`, `id: <term>.<seq>`), then one
+//! `routing` event per change of the project — made through any replica: the election's
+//! write NOTIFYs, `signals` wakes this stream — and with `session_id`, that session's
+//! nudges (`event: nudge`), each delivered once. A `Last-Event-ID` that is still the
+//! project's current change resumes without the snapshot; any other starts afresh.
+//! A comment every 15 s keeps proxies from closing an idle stream.
+//!
+//! Authorized as status (`list` on registrations), and again every `RECHECK_EVERY`: a
+//! caller whose token or rights are revoked loses the stream (an `error` event says
+//! why) rather than keeping it forever. Nudges are taken only by a caller that may
+//! heartbeat the session (SPEC §4 rule 8), and only its own (`take_nudges`). A replica
+//! that stops ends its streams first (clients reconnect to another).
+
+use std::convert::Infallible;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use futures::Stream;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use super::AppState;
+use super::agents::{RESOURCE, StatusQuery};
+use super::auth::Caller;
+use super::docs::{BadRequest, Forbidden, Internal, Invalid, TooManyRequests, Unauthenticated, Unavailable};
+use super::error::{ApiError, ApiPath, ApiQuery, ClientAddr};
+use crate::agent_sessions::ChangeId;
+use crate::signals::ProjectKey;
+
+/// Comments on an idle stream (SPEC §11: every 15 s).
+pub const KEEPALIVE: Duration = Duration::from_secs(15);
+/// The caller's token and rights are checked again this often.
+pub const RECHECK_EVERY: Duration = Duration::from_secs(15);
+/// A table that could not be read is tried again after this.
+const RETRY: Duration = Duration::from_secs(2);
+
+/// Watch a project's routing table (Server-Sent Events)
+#[utoipa::path(
+    get,
+    path = "/api/v1/controller/{project_id}/watch",
+    tag = "controller",
+    params(
+        ("project_id" = String, Path, min_length = 1, max_length = 128, pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"),
+        StatusQuery,
+        ("Last-Event-ID" = Option<String>, Header, description = "The id of the last event seen: resumes when it is still current"),
+    ),
+    security(("kubernetes" = [])),
+    responses(
+        (status = 200, description = "`text/event-stream`: `routing` events (the routing table, id `<term>.<seq>`), `nudge` events, `error` when the stream ends for a reason", content_type = "text/event-stream", body = String),
+        (status = 400, response = BadRequest),
+        (status = 401, response = Unauthenticated),
+        (status = 403, response = Forbidden),
+        (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
+        (status = 500, response = Internal),
+        (status = 503, response = Unavailable),
+    )
+)]
+pub async fn watch(
+    State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
+    headers: HeaderMap,
+    ApiPath(project_id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<StatusQuery>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let namespace = q.check(&project_id)?;
+    let caller = state.auth.authenticate(&headers, peer).await?;
+    state.auth.authorize(&caller, "list", RESOURCE, &namespace).await?;
+    let resume: Option<ChangeId> =
+        headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|s| s.trim().parse().ok());
+    let project = ProjectKey { namespace, project_id };
+    let waiter = state.signals.project_waiter(&project);
+    let (tx, mut rx) = mpsc::channel::<Event>(16);
+    let stream = Watch {
+        state: state.clone(),
+        headers: auth_headers(&headers),
+        peer,
+        caller,
+        project,
+        session_id: q.session_id().map(str::to_owned),
+        tx,
+    };
+    tokio::spawn(stream.run(waiter, resume));
+    let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok)));
+    Ok(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEPALIVE)))
+}
+
+/// Resolves once the server stops (or its sender is gone).
+async fn stopped(stopping: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stopping.wait_for(|stop| *stop).await;
+}
+
+/// Only what authenticating again needs.
+fn auth_headers(headers: &HeaderMap) -> HeaderMap {
+    let mut kept = HeaderMap::new();
+    if let Some(v) = headers.get(axum::http::header::AUTHORIZATION) {
+        kept.insert(axum::http::header::AUTHORIZATION, v.clone());
+    }
+    kept
+}
+
+struct Watch {
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    peer: Option<IpAddr>,
+    caller: Caller,
+    project: ProjectKey,
+    session_id: Option<String>,
+    tx: mpsc::Sender<Event>,
+}
+
+/// Why a stream ended.
+enum End {
+    /// The client went away, or the server stops.
+    Quietly,
+    /// Said to the client in an `error` event first.
+    Because(ApiError),
+}
+
+impl Watch {
+    async fn run(self, waiter: crate::signals::Waiter<ProjectKey>, resume: Option<ChangeId>) {
+        let mut stopping = self.state.stopping.clone();
+        let mut last = resume;
+        let mut recheck = tokio::time::interval(RECHECK_EVERY);
+        recheck.tick().await;
+        let end = loop {
+            // Armed before the read, so a change committed during it wakes the next one.
+            let armed = waiter.armed();
+            let current = self
+                .state
+                .agents
+                .routing_change(&self.project.namespace, &self.project.project_id, self.session())
+                .await;
+            match current {
+                Ok(current) if last != Some(current.id) => {
+                    let event =
+                        match Event::default().event("routing").id(current.id.to_string()).json_data(&current.table) {
+                            Ok(event) => event,
+                            Err(error) => break End::Because(ApiError::internal("watch: routing event", error)),
+                        };
+                    if self.tx.send(event).await.is_err() {
+                        break End::Quietly;
+                    }
+                    last = Some(current.id);
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(namespace = %self.project.namespace, project_id = %self.project.project_id, %error,
+                          "watch: the routing table could not be read; trying again");
+                    tokio::time::sleep(RETRY).await;
+                    continue;
+                }
+            }
+            if let Err(end) = self.deliver_nudges().await {
+                break end;
+            }
+            tokio::select! {
+                _ = armed.woken() => {}
+                _ = recheck.tick() => {
+                    if let Err(refused) = self.recheck().await {
+                        break End::Because(refused);
+                    }
+                }
+                _ = self.tx.closed() => break End::Quietly,
+                _ = stopped(&mut stopping) => break End::Quietly,
+            }
+        };
+        if let End::Because(error) = end {
+            debug!(namespace = %self.project.namespace, project_id = %self.project.project_id, code = error.code,
+                   "watch ended");
+            let body = serde_json::json!({"error": {"code": error.code, "message": error.message}});
+            let _ = self.tx.send(Event::default().event("error").data(body.to_string())).await;
+        }
+    }
+
+    fn session(&self) -> Option<&str> {
+        self.session_id.as_deref()
+    }
+
+    /// Still the caller, still allowed (a revoked token or role ends the stream).
+    async fn recheck(&self) -> Result<(), ApiError> {
+        let caller = self.state.auth.authenticate(&self.headers, self.peer).await?;
+        self.state.auth.authorize(&caller, "list", RESOURCE, &self.project.namespace).await
+    }
+
+    /// The session's undelivered nudges, when the caller may heartbeat it.
+    async fn deliver_nudges(&self) -> Result<(), End> {
+        let Some(session_id) = self.session() else { return Ok(()) };
+        let ns = &self.project.namespace;
+        match self.state.auth.allowed(&self.caller, "create", RESOURCE, ns, None).await {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(error) => return Err(End::Because(error)),
+        }
+        let nudges = match self.state.agents.take_nudges(ns, session_id, &self.caller.username).await {
+            Ok(nudges) => nudges,
+            Err(error) => {
+                warn!(namespace = %ns, %error, "watch: nudges could not be read; next change");
+                return Ok(());
+            }
+        };
+        for nudge in nudges {
+            let event = Event::default()
+                .event("nudge")
+                .json_data(&nudge)
+                .map_err(|e| End::Because(ApiError::internal("watch: nudge event", e)))?;
+            if self.tx.send(event).await.is_err() {
+                return Err(End::Quietly);
+            }
+        }
+        Ok(())
+    }
+}

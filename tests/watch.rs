@@ -1,0 +1,199 @@
+//! SPEC §11 watch: a project's routing table as Server-Sent Events, read with an SSE
+//! parser (`eventsource-stream`) over a plain HTTP stream, against two operator replicas
+//! sharing Postgres: changes made through one reach a watch on the other at once, ids
+//! resume, nudges are delivered once and only to who may take them, and a revoked
+//! caller loses the stream.
+
+mod support;
+
+use std::time::Duration;
+
+use eventsource_stream::{Event, Eventsource};
+use futures::{Stream, StreamExt};
+use serde_json::{Value, json};
+use support::{Operator, TestDb, control_plane};
+
+const ALL: [&str; 4] = ["create", "delete", "get", "list"];
+
+type Events = std::pin::Pin<Box<dyn Stream<Item = Result<Event, String>> + Send>>;
+
+/// Opens a watch; the status and, on 200, its events.
+async fn watch(
+    op: &Operator,
+    token: &str,
+    ns: &str,
+    project: &str,
+    session: Option<&str>,
+    last: Option<&str>,
+) -> (u16, Events) {
+    let mut url = format!("{}/api/v1/controller/{project}/watch?namespace={ns}", op.base);
+    if let Some(s) = session {
+        url.push_str(&format!("&session_id={s}"));
+    }
+    let mut req = support::http().get(url).bearer_auth(token);
+    if let Some(id) = last {
+        req = req.header("Last-Event-ID", id);
+    }
+    let r = req.send().await.expect("GET watch");
+    let status = r.status().as_u16();
+    if status == 200 {
+        let ctype = r.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+        assert!(ctype.starts_with("text/event-stream"), "content-type {ctype}");
+    }
+    let bytes = futures::stream::unfold(r, |mut r| async move {
+        match r.chunk().await {
+            Ok(Some(chunk)) => Some((Ok::<_, reqwest::Error>(chunk), r)),
+            _ => None,
+        }
+    });
+    (status, Box::pin(bytes.eventsource().map(|e| e.map_err(|e| e.to_string()))))
+}
+
+/// The next event within `secs`, or None.
+async fn next(events: &mut Events, secs: u64) -> Option<Event> {
+    match tokio::time::timeout(Duration::from_secs(secs), events.next()).await {
+        Ok(Some(Ok(event))) => Some(event),
+        Ok(Some(Err(e))) => panic!("the stream broke: {e}"),
+        Ok(None) | Err(_) => None,
+    }
+}
+
+fn table(event: &Event) -> Value {
+    assert_eq!(event.event, "routing", "{event:?}");
+    serde_json::from_str(&event.data).expect("routing JSON")
+}
+
+fn master_session(t: &Value) -> Option<&str> {
+    t["master"]["session_id"].as_str()
+}
+
+async fn register(op: &Operator, token: &str, ns: &str, project: &str, session: &str, surface: &str) {
+    support::register(op, token, ns, project, session, surface).await;
+}
+
+#[tokio::test]
+async fn a_watch_on_one_replica_sees_every_change_made_through_another_and_resumes() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "watch").await;
+    let db = TestDb::new().await;
+    let a = Operator::start(cp, &db.url, &ns, &[]).await;
+    let b = Operator::start(cp, &db.url, &ns, &[]).await;
+    let alice = support::agent_token(cp, &ns, "alice", &ALL);
+
+    register(&a, &alice, &ns, "P", "s-code", "claude_code").await;
+    let (status, mut events) = watch(&b, &alice, &ns, "P", None, None).await;
+    assert_eq!(status, 200);
+    let first = next(&mut events, 5).await.expect("the snapshot first");
+    let t = table(&first);
+    assert_eq!(master_session(&t), Some("s-code"));
+    let first_id = first.id.clone();
+    let term: i64 = first_id.split('.').next().and_then(|t| t.parse().ok()).expect("id <term>.<seq>");
+    assert_eq!(term, t["term"].as_i64().expect("term"));
+
+    // A desktop session preempts through replica A: the watch on B is told at once.
+    let started = std::time::Instant::now();
+    register(&a, &alice, &ns, "P", "s-desk", "claude_desktop").await;
+    let change = next(&mut events, 5).await.expect("the preemption");
+    let took = started.elapsed();
+    let t = table(&change);
+    assert_eq!(master_session(&t), Some("s-desk"));
+    assert!(t["peers"].as_array().is_some_and(|p| p.iter().any(|e| e["session_id"] == "s-code")), "{t}");
+    assert_ne!(change.id, first_id);
+    assert!(took < Duration::from_secs(2), "commit to event took {took:?}");
+    let seen = change.id.clone();
+    drop(events);
+
+    // Resumed with the last id: nothing missed, no snapshot; then the next change.
+    let (_, mut resumed) = watch(&a, &alice, &ns, "P", None, Some(&seen)).await;
+    assert!(next(&mut resumed, 1).await.is_none(), "up to date: no snapshot");
+    let _ = support::http()
+        .post(a.url("/api/v1/controller/heartbeat"))
+        .bearer_auth(&alice)
+        .json(&json!({"namespace": ns, "session_id": "s-code"}))
+        .send()
+        .await;
+    assert!(next(&mut resumed, 1).await.is_none(), "a heartbeat is not a change of the table's roles");
+    register(&b, &alice, &ns, "P", "s-cursor", "cursor").await;
+    let joined = table(&next(&mut resumed, 5).await.expect("a peer joined"));
+    assert_eq!(joined["peers"].as_array().map(Vec::len), Some(2));
+    // Resumed with an id that is not current: a fresh snapshot at once.
+    let (_, mut stale) = watch(&b, &alice, &ns, "P", None, Some(&first_id)).await;
+    let snapshot = table(&next(&mut stale, 5).await.expect("snapshot"));
+    assert_eq!(snapshot, joined);
+}
+
+#[tokio::test]
+async fn nudges_reach_their_session_once_and_a_revoked_caller_loses_the_stream() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "watch-nudge").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let alice = support::agent_token(cp, &ns, "alice", &ALL);
+    let bob = support::agent_token(cp, &ns, "bob", &ALL);
+    let reader = support::sa_token(cp, &ns, "reader", "controllerregistrations", &["get", "list"]);
+    let nobody = support::sa_token(cp, &ns, "nobody", "runsessions", &["get"]);
+
+    // Refused before any stream, the same for a project that exists and one that does not.
+    for project in ["P", "NOPE"] {
+        assert_eq!(watch(&op, &nobody, &ns, project, None, None).await.0, 403);
+    }
+    assert_eq!(watch(&op, "not-a-token", &ns, "P", None, None).await.0, 401);
+
+    register(&op, &alice, &ns, "P", "s-a", "codex").await;
+    // Bob and a reader watch Alice's session: they read the table, never her nudges.
+    let (_, mut bobs) = watch(&op, &bob, &ns, "P", Some("s-a"), None).await;
+    let (_, mut readers) = watch(&op, &reader, &ns, "P", Some("s-a"), None).await;
+    let (_, mut hers) = watch(&op, &alice, &ns, "P", Some("s-a"), None).await;
+    for events in [&mut bobs, &mut readers, &mut hers] {
+        assert_eq!(next(events, 5).await.expect("snapshot").event, "routing");
+    }
+    // Context switch: her session moves to Q, so P's registration is released and a
+    // wrap_session nudge written for her session.
+    register(&op, &alice, &ns, "Q", "s-a", "codex").await;
+    let mut kinds = Vec::new();
+    while let Some(e) = next(&mut hers, 3).await {
+        kinds.push(e.event.clone());
+        if e.event == "nudge" {
+            let nudge: Value = serde_json::from_str(&e.data).expect("nudge JSON");
+            assert_eq!((nudge["kind"].as_str(), nudge["project_id"].as_str()), (Some("wrap_session"), Some("P")));
+        }
+    }
+    assert!(kinds.contains(&"routing".to_string()) && kinds.iter().filter(|k| *k == "nudge").count() == 1, "{kinds:?}");
+    for events in [&mut bobs, &mut readers] {
+        while let Some(e) = next(events, 2).await {
+            assert_eq!(e.event, "routing", "not theirs: {e:?}");
+        }
+    }
+    let delivered: Vec<(Option<chrono::DateTime<chrono::Utc>>,)> =
+        sqlx::query_as("SELECT delivered_at FROM nudges WHERE namespace = $1 AND session_id = 's-a'")
+            .bind(&ns)
+            .fetch_all(&db.pool)
+            .await
+            .expect("nudges");
+    assert_eq!(delivered.len(), 1);
+    assert!(delivered[0].0.is_some(), "marked delivered");
+    // Delivered once: a new watch of her session gets the table only.
+    let (_, mut again) = watch(&op, &alice, &ns, "P", Some("s-a"), None).await;
+    assert_eq!(next(&mut again, 5).await.expect("snapshot").event, "routing");
+    assert!(next(&mut again, 2).await.is_none(), "no nudge twice");
+
+    // The reader's rights go: its stream ends with an error event, within the recheck
+    // (15 s) and the authorizer's cache (10 s).
+    cp.kubectl_ok(&["-n", &ns, "delete", "rolebinding", "reader"]);
+    let ended = tokio::time::timeout(Duration::from_secs(40), async {
+        loop {
+            match readers.next().await {
+                Some(Ok(e)) if e.event == "error" => return Some(e),
+                Some(Ok(_)) => continue,
+                _ => return None,
+            }
+        }
+    })
+    .await
+    .expect("the stream of a revoked caller ends within 40 s");
+    let e = ended.expect("an error event before the end");
+    let body: Value = serde_json::from_str(&e.data).expect("error JSON");
+    assert_eq!(body["error"]["code"], "forbidden");
+}
