@@ -17,6 +17,7 @@ use crate::crd::{
 };
 use crate::db::retry_unavailable;
 use crate::election::heartbeat::HeartbeatCoalescer;
+use crate::election::store::Nudge;
 use crate::election::{
     ElectionError, ElectionStore, LiveRole, NewRegistration, OwnedRegistration, RegisterOutcome, Registration,
 };
@@ -92,6 +93,10 @@ pub struct RoutingTable {
     pub stale: Vec<RouteEntry>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub caller: Option<RouteEntry>,
+    /// With `session_id`, from a caller that may heartbeat it: its nudges not delivered
+    /// before (SPEC §11), now delivered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nudges: Option<Vec<Nudge>>,
 }
 
 /// Which change of a project a routing table shows: `<term>.<seq>` on a watch (SPEC
@@ -134,13 +139,15 @@ pub struct Registered {
     pub routing: RoutingTable,
 }
 
-#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, utoipa::ToSchema)]
+#[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
 pub struct HeartbeatReply {
     pub role: Role,
     pub is_master: bool,
     pub you_were_preempted: bool,
     /// The project's current term (the master's fencing token).
     pub term: i64,
+    /// The session's nudges not delivered before (SPEC §11), now delivered.
+    pub nudges: Vec<Nudge>,
 }
 
 impl From<&LiveRole> for HeartbeatReply {
@@ -150,6 +157,7 @@ impl From<&LiveRole> for HeartbeatReply {
             is_master: r.is_master,
             you_were_preempted: r.preempted,
             term: r.project_term,
+            nudges: Vec::new(),
         }
     }
 }
@@ -167,6 +175,8 @@ pub struct AgentService {
     pub client: Client,
     pub store: ElectionStore,
     pub heartbeats: HeartbeatCoalescer,
+    /// Which sessions may have a nudge (answers read `nudges` only for those).
+    pub signals: crate::signals::Signals,
 }
 
 /// A readable, valid resource name for a registration: the project id folded to a DNS
@@ -209,8 +219,13 @@ fn new_resource(project_id: &str, session_id: &str, surface: AgentSurface, owner
 }
 
 impl AgentService {
-    pub fn new(client: Client, store: ElectionStore, heartbeats: HeartbeatCoalescer) -> Self {
-        Self { client, store, heartbeats }
+    pub fn new(
+        client: Client,
+        store: ElectionStore,
+        heartbeats: HeartbeatCoalescer,
+        signals: crate::signals::Signals,
+    ) -> Self {
+        Self { client, store, heartbeats, signals }
     }
 
     /// Registers the session for the project on behalf of `caller` (the Kubernetes
@@ -231,17 +246,19 @@ impl AgentService {
         surface: AgentSurface,
         caller: &str,
     ) -> Result<Registered, AgentError> {
-        if let Some(existing) = self.store.live_by_session_owned(namespace, session_id).await? {
+        let switching = if let Some(existing) = self.store.live_by_session_owned(namespace, session_id).await? {
             check_owner(&existing, caller)?;
             if existing.row.project_id == project_id {
                 self.heartbeats.beat(namespace, session_id);
                 return self.registered(existing.row).await;
             }
+            true
         } else {
             // A new live registration (a context switch is not): no resource for a call
             // the quota refuses.
             self.store.check_quota(namespace, Some(caller)).await?;
-        }
+            false
+        };
         let api: Api<ControllerRegistration> = Api::namespaced(self.client.clone(), namespace);
         let created = api
             .create(&PostParams::default(), &new_resource(project_id, session_id, surface, caller))
@@ -261,7 +278,14 @@ impl AgentService {
         // restart is retried here rather than surfaced.
         let outcome = retry_unavailable(DATABASE_RETRY, || self.store.register(&new)).await;
         let refusal = match outcome {
-            Ok(RegisterOutcome::Registered(row)) => return self.registered(row).await,
+            Ok(RegisterOutcome::Registered(row)) => {
+                if switching {
+                    // The switch wrote a nudge: this replica's next answer to the session
+                    // carries it, even before the notification comes back.
+                    self.signals.note_nudge(namespace, session_id);
+                }
+                return self.registered(row).await;
+            }
             // Another resource holds this session on this project (a concurrent identical
             // call): that one stands, and this one goes.
             Ok(RegisterOutcome::DuplicateSession { existing }) => {
@@ -406,14 +430,31 @@ impl AgentService {
         Ok(self.routing_change(namespace, project_id, session_id).await?.table)
     }
 
-    /// The session's undelivered nudges, marked delivered (`ElectionStore::take_nudges`).
+    /// The session's undelivered nudges, marked delivered (`ElectionStore::take_nudges`);
+    /// Postgres is read only when one may be pending (`Signals`). The caller must be
+    /// one that may heartbeat the session (SPEC §4 rule 8).
     pub async fn take_nudges(
         &self,
         namespace: &str,
         session_id: &str,
         caller: &str,
     ) -> Result<Vec<crate::election::store::Nudge>, ElectionError> {
-        self.store.take_nudges(namespace, session_id, caller).await
+        if !self.signals.may_have_nudge(namespace, session_id) {
+            return Ok(Vec::new());
+        }
+        // Another identity's call takes nothing, and does not make the owner's next
+        // answer skip the read either.
+        if let Some(live) = self.store.live_by_session_owned(namespace, session_id).await?
+            && !live.owned_by(caller)
+        {
+            return Ok(Vec::new());
+        }
+        let nudges = self.store.take_nudges(namespace, session_id, caller).await?;
+        if nudges.is_empty() {
+            // None left (or none of this caller's to take): stop reading for the session.
+            self.signals.no_nudge(namespace, session_id);
+        }
+        Ok(nudges)
     }
 
     /// The routing table, with the change of the project it shows (a watch's event id).
@@ -434,6 +475,7 @@ impl AgentService {
             peers: view.live.iter().filter(|r| !r.is_master).map(RouteEntry::from).collect(),
             stale: stale.iter().map(RouteEntry::from).collect(),
             caller: session_id.and_then(|s| view.live.iter().find(|r| r.session_id == s)).map(RouteEntry::from),
+            nudges: None,
         };
         Ok(RoutingChange { id, table })
     }

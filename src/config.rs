@@ -42,6 +42,10 @@ pub enum Command {
         namespace: Option<String>,
         #[arg(short, long, value_enum, default_value = "table")]
         output: OutputFormat,
+        /// After the table, print it again at each change of a role, the term or the
+        /// members (as `kubectl get -w`), until interrupted.
+        #[arg(short, long)]
+        watch: bool,
     },
     /// Durable jobs of Runs (list, get, cancel), through the operator's HTTP API.
     #[command(subcommand)]

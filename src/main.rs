@@ -70,7 +70,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
             credential::new(&key_file, generation, force)?
         }
         Command::DemoRun(args) => demo_run::run(args).await?,
-        Command::Status { project_id, namespace, output } => status::run(&project_id, namespace, output).await?,
+        Command::Status { project_id, namespace, output, watch } => {
+            status::run(&project_id, namespace, output, watch).await?
+        }
         Command::Jobs(command) => jobs::run(command).await?,
     }
     Ok(())

@@ -9,18 +9,21 @@
 //!   (new, retried, requeued; at its `eligible_at` when that is later), a slot freed
 //!   there, or a cancel requested for a job it holds wakes it to look again.
 //! * **Project wakes.** A watch of a project's routing table waits on the project: a
-//!   change of its election (a member joined or left, a change of master, a nudge) wakes
-//!   it to read the table again.
+//!   change of its election (a member joined or left, a change of master) wakes it to
+//!   read the table again.
+//! * **Pending nudges.** Which agent sessions may have an undelivered nudge, so that
+//!   their answers (heartbeat, status, MCP calls, watches) read the `nudges` table only
+//!   for those: the coalesced agent heartbeat stays free of Postgres.
 //!
 //! Waiting costs a future and no Postgres connection. Triggers and the election's
 //! writes NOTIFY (channels below); a signal is delivered at commit, never for a
 //! rolled-back change. While this replica is not listening (starting, Postgres
 //! restarting) nothing is known: every heartbeat reads Postgres, and every waiter is
 //! woken on each (re)connection to look again, so nothing sent in the gap is missed.
-//! On each (re)connection, and every `RESCAN_EVERY`, the set of pending cancels is read
-//! again: that is how addresses whose cancels are done leave it. The replica that took a
-//! cancel request notes its address itself before it answers, so the Run's next
-//! heartbeat there sees it even before the notification comes back.
+//! On each (re)connection, and every `RESCAN_EVERY`, the pending sets are read again:
+//! that is how addresses whose cancels are done (sessions whose nudges are delivered)
+//! leave them. The replica that took a cancel request notes its address itself before it
+//! answers, so the Run's next heartbeat there sees it even before the notification.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::Hash;
@@ -42,6 +45,8 @@ pub const JOB_CANCELS: &str = "prism_job_cancels";
 pub const JOB_WAKES: &str = "prism_job_wakes";
 /// A project's routing table changed (the election's writes, `election::store`).
 pub const PROJECTS: &str = "prism_projects";
+/// A session got a nudge (the context switch's write, `election::store`).
+pub const NUDGES: &str = "prism_nudges";
 /// Addresses whose cancels are all done are forgotten this often.
 pub const RESCAN_EVERY: Duration = Duration::from_secs(30);
 /// A wake at a job's `eligible_at` further off than this is not scheduled: the job's
@@ -64,6 +69,13 @@ impl JobSignal {
     }
 }
 
+/// An agent session, as nudges address it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SessionKey {
+    pub namespace: String,
+    pub session_id: String,
+}
+
 /// A project, as the election keys it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ProjectKey {
@@ -78,10 +90,46 @@ pub struct Signals {
 
 #[derive(Default)]
 struct Inner {
-    // None: not listening, nothing known (every address may have one).
-    cancels: Mutex<Option<HashSet<RunAddress>>>,
+    cancels: Pending<RunAddress>,
+    nudges: Pending<SessionKey>,
     runs: Arc<Waiters<RunAddress>>,
     projects: Arc<Waiters<ProjectKey>>,
+}
+
+/// Keys that may have something pending; `None` while not listening: nothing known,
+/// every key may have.
+struct Pending<K>(Mutex<Option<HashSet<K>>>);
+
+impl<K> Default for Pending<K> {
+    fn default() -> Self {
+        Pending(Mutex::new(None))
+    }
+}
+
+impl<K: Clone + Eq + Hash> Pending<K> {
+    fn may_have(&self, key: &K) -> bool {
+        locked(&self.0).as_ref().is_none_or(|set| set.contains(key))
+    }
+
+    fn note(&self, key: &K) {
+        if let Some(set) = locked(&self.0).as_mut() {
+            set.insert(key.clone());
+        }
+    }
+
+    fn replace(&self, set: HashSet<K>) {
+        *locked(&self.0) = Some(set);
+    }
+
+    fn remove(&self, key: &K) {
+        if let Some(set) = locked(&self.0).as_mut() {
+            set.remove(key);
+        }
+    }
+
+    fn forget(&self) {
+        *locked(&self.0) = None;
+    }
 }
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -92,16 +140,30 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Signals {
     /// False only when no job of `address` can have a cancel request pending.
     pub fn may_have_cancel(&self, address: &RunAddress) -> bool {
-        locked(&self.inner.cancels).as_ref().is_none_or(|set| set.contains(address))
+        self.inner.cancels.may_have(address)
     }
 
     /// A cancel of a job of `address` was requested (or a notification says so): its
     /// heartbeats read the list, and its waiting claims look again.
     pub fn note_cancel(&self, address: &RunAddress) {
-        if let Some(set) = locked(&self.inner.cancels).as_mut() {
-            set.insert(address.clone());
-        }
+        self.inner.cancels.note(address);
         self.inner.runs.wake(address);
+    }
+
+    /// The session got a nudge (written by this replica): its next answer reads it.
+    pub fn note_nudge(&self, namespace: &str, session_id: &str) {
+        self.inner.nudges.note(&SessionKey { namespace: namespace.to_string(), session_id: session_id.to_string() });
+    }
+
+    /// A read found none for the session: its answers stop reading. (A nudge committed
+    /// during that read is read again at the next rescan: late, never lost.)
+    pub fn no_nudge(&self, namespace: &str, session_id: &str) {
+        self.inner.nudges.remove(&SessionKey { namespace: namespace.to_string(), session_id: session_id.to_string() });
+    }
+
+    /// False only when the session cannot have an undelivered nudge.
+    pub fn may_have_nudge(&self, namespace: &str, session_id: &str) -> bool {
+        self.inner.nudges.may_have(&SessionKey { namespace: namespace.to_string(), session_id: session_id.to_string() })
     }
 
     /// Waits on a Run's address (a long-poll claim).
@@ -121,11 +183,19 @@ impl Signals {
 
     /// Stopped listening: notifications may be lost from now on.
     fn forget(&self) {
-        *locked(&self.inner.cancels) = None;
+        self.inner.cancels.forget();
+        self.inner.nudges.forget();
     }
 
     fn replace_cancels(&self, set: HashSet<RunAddress>) {
-        *locked(&self.inner.cancels) = Some(set);
+        self.inner.cancels.replace(set);
+    }
+
+    /// Both pending sets, read again.
+    async fn rescan(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
+        self.replace_cancels(scan_cancels(pool).await?);
+        self.inner.nudges.replace(scan_nudges(pool).await?);
+        Ok(())
     }
 
     fn wake_everyone(&self) {
@@ -155,8 +225,8 @@ impl Signals {
         let mut listener = sqlx::postgres::PgListener::connect_with(listening).await?;
         // Not `recv`'s silent reconnection: the gap must be seen, to look again.
         listener.eager_reconnect(false);
-        listener.listen_all([JOB_CANCELS, JOB_WAKES, PROJECTS]).await?;
-        self.replace_cancels(scan_cancels(pool).await?);
+        listener.listen_all([JOB_CANCELS, JOB_WAKES, PROJECTS, NUDGES]).await?;
+        self.rescan(pool).await?;
         self.wake_everyone();
         let mut rescan = tokio::time::interval(RESCAN_EVERY);
         rescan.tick().await;
@@ -172,7 +242,7 @@ impl Signals {
                         return Ok(());
                     }
                 }
-                _ = rescan.tick() => self.replace_cancels(scan_cancels(pool).await?),
+                _ = rescan.tick() => self.rescan(pool).await?,
             }
         }
     }
@@ -180,6 +250,13 @@ impl Signals {
     /// One notification; false when it cannot be read.
     fn apply(&self, channel: &str, payload: &str) -> bool {
         match channel {
+            NUDGES => match serde_json::from_str::<SessionKey>(payload) {
+                Ok(session) => {
+                    self.inner.nudges.note(&session);
+                    true
+                }
+                Err(_) => false,
+            },
             PROJECTS => match serde_json::from_str::<ProjectKey>(payload) {
                 Ok(project) => {
                     self.inner.projects.wake(&project);
@@ -304,6 +381,14 @@ impl Armed<'_> {
     }
 }
 
+async fn scan_nudges(pool: &PgPool) -> Result<HashSet<SessionKey>, sqlx::Error> {
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT DISTINCT namespace, session_id FROM nudges WHERE delivered_at IS NULL")
+            .fetch_all(pool)
+            .await?;
+    Ok(rows.into_iter().map(|(namespace, session_id)| SessionKey { namespace, session_id }).collect())
+}
+
 async fn scan_cancels(pool: &PgPool) -> Result<HashSet<RunAddress>, sqlx::Error> {
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SELECT DISTINCT server_instance_id, component_kind FROM runtime_jobs
@@ -375,6 +460,11 @@ mod tests {
         assert!(signals.may_have_cancel(&at("srv-1")));
         assert!(signals.apply(PROJECTS, r#"{"namespace":"agents","project_id":"P1"}"#));
         assert!(woken_within(armed_watch, 100).await);
+        assert!(signals.may_have_nudge("agents", "s-1"), "not listening yet: any session may have one");
+        signals.inner.nudges.replace(HashSet::new());
+        assert!(!signals.may_have_nudge("agents", "s-1"));
+        assert!(signals.apply(NUDGES, r#"{"namespace":"agents","session_id":"s-1"}"#));
+        assert!(signals.may_have_nudge("agents", "s-1") && !signals.may_have_nudge("other", "s-1"));
         assert!(!signals.apply(PROJECTS, "agents/P1"), "unreadable");
         assert!(!signals.apply(JOB_WAKES, r#"{"server_instance_id":1}"#), "unreadable");
     }

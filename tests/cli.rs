@@ -5,6 +5,7 @@
 mod support;
 
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::{ControlPlane, Operator, TestDb, control_plane, eventually};
@@ -555,4 +556,71 @@ fn jobs_without_a_token_or_with_bad_flags_is_a_one_line_error() {
         one_line_error(&["jobs", "get", &id, "-n", "runtime"], &[("PRISM_API", &api), ("PRISM_TOKEN", "s3cret-token")]);
     assert!(e.starts_with(&format!("error: cannot reach the operator's API at {api}")), "{e}");
     assert!(!e.contains("s3cret-token"), "{e}");
+}
+
+/// `kubectl prism status -w`: the table, then again at each change of a role (as
+/// `kubectl get -w`), not at each heartbeat; `-o json` one table per line.
+#[tokio::test]
+async fn status_watch_prints_the_table_again_at_each_change() {
+    use tokio::io::AsyncBufReadExt;
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "status-w").await;
+    let db = support::TestDb::new().await;
+    let op = support::Operator::start(cp, &db.url, &ns, &[]).await;
+    let agent = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+
+    let bin_dir = std::env::temp_dir().join(format!("prism-plugin-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&bin_dir).expect("dir");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_prism-operator"), bin_dir.join("kubectl-prism")).expect("symlink");
+    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let mut cmd = tokio::process::Command::new(support::assets_dir().join("kubectl"));
+    for var in INHERITED {
+        cmd.env_remove(var);
+    }
+    let mut child = cmd
+        .args(["prism", "status", "P", "-n", &ns, "-w", "-o", "json"])
+        .env("PATH", path)
+        .env("KUBECONFIG", &cp.kubeconfig)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kubectl prism status -w");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut next_table = async || -> serde_json::Value {
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .expect("a table within 20 s")
+            .expect("read")
+            .expect("a line");
+        serde_json::from_str(&line).expect("one JSON table per line")
+    };
+    let empty = next_table().await;
+    assert!(empty["master"].is_null(), "{empty}");
+
+    support::register(&op, &agent, &ns, "P", "s-code", "claude_code").await;
+    let first = next_table().await;
+    assert_eq!(first["master"]["session_id"], "s-code", "{first}");
+    support::register(&op, &agent, &ns, "P", "s-desk", "claude_desktop").await;
+    // The status of both registrations changes; tables in between may show one of them.
+    let mut last = next_table().await;
+    while last["master"]["session_id"] != "s-desk" || last["peers"].as_array().map(Vec::len) != Some(1) {
+        last = next_table().await;
+    }
+    assert_eq!(last["peers"][0]["session_id"], "s-code", "{last}");
+    assert!(last["term"].as_i64() > first["term"].as_i64(), "{last}");
+    // Heartbeats move lastHeartbeat only: no new table.
+    for _ in 0..3 {
+        let _ = support::http()
+            .post(op.url("/api/v1/controller/heartbeat"))
+            .bearer_auth(&agent)
+            .json(&serde_json::json!({"namespace": ns, "session_id": "s-code"}))
+            .send()
+            .await;
+    }
+    let quiet = tokio::time::timeout(Duration::from_secs(3), lines.next_line()).await;
+    assert!(quiet.is_err(), "a heartbeat printed a table: {quiet:?}");
+    let _ = child.kill().await;
+    let _ = std::fs::remove_dir_all(&bin_dir);
 }

@@ -79,6 +79,15 @@ async fn smoke_in(mode: &str) {
     let out = scenario("smoke", mode, &mcp_url(&op), &token, &[("namespace", &ns), ("project", project)]).await;
 
     let version = if mode == "legacy" { "2025-11-25" } else { "2026-07-28" };
+    for (tool, hints) in out["tool_hints"].as_object().expect("tool hints") {
+        let read_only = matches!(tool.as_str(), "prism_status" | "prism_job");
+        let idempotent = tool != "prism_enqueue";
+        assert_eq!(
+            hints,
+            &json!({"read_only": read_only, "destructive": false, "idempotent": idempotent, "output_schema": "object"}),
+            "{tool}"
+        );
+    }
     assert_eq!(out["protocol_versions"], json!([version, version, version]), "{mode}");
     assert_eq!(
         out["tools"],
@@ -121,7 +130,7 @@ async fn smoke_in(mode: &str) {
     assert_eq!(desk["registration"]["agent_surface"], "claude_desktop");
     let desk_name = desk["registration"]["name"].as_str().expect("name");
     let told = ok(&out["code_after_preemption"], "heartbeat after preemption");
-    assert_eq!(told, &json!({"role": "Peer", "is_master": false, "term": 2, "you_were_preempted": true}));
+    assert_eq!(told, &json!({"role": "Peer", "is_master": false, "term": 2, "you_were_preempted": true, "nudges": []}));
     let text = out["code_after_preemption"]["text"].as_str().unwrap_or_default();
     assert!(text.starts_with(&format!("You were preempted: {desk_name} (session {s_desk}")), "{text}");
     // Status shape (SPEC §6), with D6's fields on top.

@@ -197,3 +197,41 @@ async fn nudges_reach_their_session_once_and_a_revoked_caller_loses_the_stream()
     let body: Value = serde_json::from_str(&e.data).expect("error JSON");
     assert_eq!(body["error"]["code"], "forbidden");
 }
+
+/// SPEC §11: a nudge rides in the session's next HTTP answer (its heartbeat here), once;
+/// another identity's call naming the session never takes it.
+#[tokio::test]
+async fn a_nudge_rides_in_the_next_heartbeat_once_and_only_its_owners() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "nudge-http").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let alice = support::agent_token(cp, &ns, "alice", &ALL);
+    let bob = support::agent_token(cp, &ns, "bob", &ALL);
+    let beat = |token: String| {
+        let (url, ns) = (op.url("/api/v1/controller/heartbeat"), ns.clone());
+        async move {
+            let r = support::http()
+                .post(url)
+                .bearer_auth(token)
+                .json(&json!({"namespace": ns, "session_id": "s-a"}))
+                .send()
+                .await
+                .expect("heartbeat");
+            (r.status().as_u16(), r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    register(&op, &alice, &ns, "P", "s-a", "codex").await;
+    let (status, quiet) = beat(alice.clone()).await;
+    assert_eq!((status, quiet["nudges"].clone()), (200, json!([])), "{quiet}");
+    register(&op, &alice, &ns, "Q", "s-a", "codex").await; // context switch: a nudge for s-a
+    let (status, _) = beat(bob.clone()).await;
+    assert_eq!(status, 403, "not Bob's session");
+    let (_, first) = beat(alice.clone()).await;
+    let nudges = first["nudges"].as_array().cloned().unwrap_or_default();
+    assert_eq!(nudges.len(), 1, "{first}");
+    assert_eq!((nudges[0]["kind"].as_str(), nudges[0]["project_id"].as_str()), (Some("wrap_session"), Some("P")));
+    let (_, second) = beat(alice.clone()).await;
+    assert_eq!(second["nudges"], json!([]), "delivered once");
+}

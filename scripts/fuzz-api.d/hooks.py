@@ -61,7 +61,8 @@ def _short_wait(case):
     body = case.body
     if case.path.endswith("/jobs/claim") and isinstance(body, dict):
         wait = body.get("wait_seconds")
-        if isinstance(wait, int) and not isinstance(wait, bool) and 1 < wait <= 60:
+        # JSON has one number type: 10.0 is a wait of 10 s too.
+        if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 1 < wait <= 60:
             body["wait_seconds"] = 1
 
 

@@ -237,7 +237,9 @@ pub async fn heartbeat(
     state.auth.authorize(&caller, "create", RESOURCE, &body.namespace).await?;
     state.metrics.heartbeats.inc();
     let role = state.agents.heartbeat(&body.namespace, &body.session_id, &caller.username).await?;
-    Ok(Json(HeartbeatReply::from(&role)))
+    let mut reply = HeartbeatReply::from(&role);
+    reply.nudges = state.agents.take_nudges(&body.namespace, &body.session_id, &caller.username).await?;
+    Ok(Json(reply))
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -300,6 +302,7 @@ pub async fn status(
     let namespace = q.check(&project_id)?;
     let caller = state.auth.authenticate(&headers, peer).await?;
     state.auth.authorize(&caller, "list", RESOURCE, &namespace).await?;
+    let mut nudges = None;
     if let Some(session_id) = &q.session_id
         && state.auth.allowed(&caller, "create", RESOURCE, &namespace, None).await?
     {
@@ -308,11 +311,14 @@ pub async fn status(
         // reader (a dashboard with get/list) refreshes nothing, so it cannot keep a dead
         // session alive past the sweep. Reading the table is refused to nobody.
         match state.agents.heartbeat(&namespace, session_id, &caller.username).await {
-            Ok(_) | Err(AgentError::NotRegistered(_) | AgentError::NotOwned(_)) => {}
+            Ok(_) => nudges = Some(state.agents.take_nudges(&namespace, session_id, &caller.username).await?),
+            Err(AgentError::NotRegistered(_) | AgentError::NotOwned(_)) => {}
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(Json(state.agents.routing(&namespace, &project_id, q.session_id.as_deref()).await?))
+    let mut table = state.agents.routing(&namespace, &project_id, q.session_id.as_deref()).await?;
+    table.nudges = nudges;
+    Ok(Json(table))
 }
 
 #[derive(Deserialize, ToSchema)]

@@ -39,6 +39,22 @@ pub const RECHECK_EVERY: Duration = Duration::from_secs(15);
 /// A table that could not be read is tried again after this.
 const RETRY: Duration = Duration::from_secs(2);
 
+/// One Server-Sent Event of a watch, as an SSE parser reads it (the document's schema of
+/// the stream: each event conforms).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)] // Described, never built: the events are written by axum's `Event`.
+pub struct WatchEvent {
+    /// `routing` (data: the routing table, as status answers it), `nudge` (data: a
+    /// nudge), `error` (data: `{"error": {"code", "message"}}`, then the stream ends).
+    #[schema(pattern = "^(routing|nudge|error)$")]
+    event: String,
+    /// `<term>.<seq>`, on `routing` events.
+    #[schema(pattern = "^[0-9]+[.][0-9]+$")]
+    id: Option<String>,
+    /// JSON text.
+    data: String,
+}
+
 /// Watch a project's routing table (Server-Sent Events)
 #[utoipa::path(
     get,
@@ -51,7 +67,7 @@ const RETRY: Duration = Duration::from_secs(2);
     ),
     security(("kubernetes" = [])),
     responses(
-        (status = 200, description = "`text/event-stream`: `routing` events (the routing table, id `<term>.<seq>`), `nudge` events, `error` when the stream ends for a reason", content_type = "text/event-stream", body = String),
+        (status = 200, description = "`text/event-stream`: `routing` events (the routing table, id `<term>.<seq>`), `nudge` events, `error` when the stream ends for a reason", content_type = "text/event-stream", body = WatchEvent),
         (status = 400, response = BadRequest),
         (status = 401, response = Unauthenticated),
         (status = 403, response = Forbidden),

@@ -83,7 +83,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         health,
         auth: api::auth::Authorizer::new(kube.clone(), args.audiences()?, limits.clone()),
         limits,
-        agents: AgentService::new(kube.clone(), election, heartbeats),
+        agents: AgentService::new(kube.clone(), election, heartbeats, signals.clone()),
         kube,
         registry: api_registry,
         metrics,

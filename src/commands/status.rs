@@ -22,6 +22,7 @@ pub fn routing_table(namespace: &str, project_id: &str, regs: &[ControllerRegist
         peers: vec![],
         stale: vec![],
         caller: None,
+        nudges: None,
     };
     for r in regs {
         let status = r.status.clone().unwrap_or_default();
@@ -81,16 +82,80 @@ pub fn render(table: &RoutingTable, now: DateTime<Utc>) -> String {
     out
 }
 
-pub async fn run(project_id: &str, namespace: Option<String>, output: OutputFormat) -> anyhow::Result<()> {
+pub async fn run(project_id: &str, namespace: Option<String>, output: OutputFormat, watch: bool) -> anyhow::Result<()> {
     let client = Client::try_default().await?;
     let namespace = namespace.unwrap_or_else(|| client.default_namespace().to_string());
     let api: Api<ControllerRegistration> = Api::namespaced(client, &namespace);
-    let list = api.list(&ListParams::default().fields(&format!("spec.projectId={project_id}"))).await?;
-    let table = routing_table(&namespace, project_id, &list.items);
-    match output {
-        OutputFormat::Table => print!("{}", render(&table, Utc::now())),
-        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&table)?),
-        OutputFormat::Yaml => print!("{}", serde_yaml::to_string(&table)?),
+    let selector = format!("spec.projectId={project_id}");
+    if watch {
+        return watch_tables(api, &namespace, project_id, &selector, output).await;
     }
+    let list = api.list(&ListParams::default().fields(&selector)).await?;
+    print!("{}", show(&routing_table(&namespace, project_id, &list.items), output, false)?);
     Ok(())
+}
+
+/// One table as `-o` asks; `stream`: JSON on one line and YAML as a document of its own,
+/// so that a reader of a watch can split them.
+fn show(table: &RoutingTable, output: OutputFormat, stream: bool) -> anyhow::Result<String> {
+    Ok(match output {
+        OutputFormat::Table => render(table, Utc::now()),
+        OutputFormat::Json if stream => format!("{}\n", serde_json::to_string(table)?),
+        OutputFormat::Json => format!("{}\n", serde_json::to_string_pretty(table)?),
+        OutputFormat::Yaml if stream => format!("---\n{}", serde_yaml::to_string(table)?),
+        OutputFormat::Yaml => serde_yaml::to_string(table)?,
+    })
+}
+
+/// What a change is: the term, and who holds which role. A heartbeat moves none of it.
+fn shape(table: &RoutingTable) -> (i64, Vec<(String, Role)>) {
+    let members =
+        table.master.iter().chain(&table.peers).chain(&table.stale).map(|e| (e.name.clone(), e.role)).collect();
+    (table.term, members)
+}
+
+/// `status -w`: a Kubernetes watch of the project's registrations (the API server's
+/// push, resumed by kube's watcher after a dropped connection); the table again at each
+/// change of its shape.
+async fn watch_tables(
+    api: Api<ControllerRegistration>,
+    namespace: &str,
+    project_id: &str,
+    selector: &str,
+    output: OutputFormat,
+) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, reflector, watcher};
+    let (reader, writer) = reflector::store();
+    let events = reflector(writer, watcher(api, watcher::Config::default().fields(selector)).default_backoff());
+    let mut events = std::pin::pin!(events);
+    let mut shown = None;
+    let mut ready = false;
+    loop {
+        let event = tokio::select! {
+            event = events.next() => event,
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        };
+        match event {
+            Some(Ok(watcher::Event::InitDone)) => ready = true,
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                eprintln!("watch: {e}; retrying");
+                continue;
+            }
+            None => return Ok(()),
+        }
+        if !ready {
+            continue;
+        }
+        let regs: Vec<ControllerRegistration> = reader.state().iter().map(|r| (**r).clone()).collect();
+        let table = routing_table(namespace, project_id, &regs);
+        let now = Some(shape(&table));
+        if now != shown {
+            print!("{}", show(&table, output, true)?);
+            use std::io::Write as _;
+            std::io::stdout().flush()?;
+            shown = now;
+        }
+    }
 }

@@ -1172,14 +1172,20 @@ fn status_changed(before: &ProjectState, decision: &Decision) -> BTreeSet<Uuid> 
 /// only logged.
 async fn write_wrap_nudge(tx: &mut Transaction<'_, Postgres>, row: &Registration) -> Result<(), QueryError> {
     sqlx::query("SAVEPOINT wrap_nudge").execute(&mut **tx).await.step("context switch: savepoint")?;
+    // Every replica hears of it at commit (`signals`): the session's next answer there
+    // carries it, and no answer reads the table for a session with none.
     let insert = sqlx::query(
-        "INSERT INTO nudges (namespace, session_id, project_id, kind, payload)
-         VALUES ($1, $2, $3, 'wrap_session', jsonb_build_object('reason', 'context_switch', 'registration', $4::text))",
+        "WITH nudged AS (
+             INSERT INTO nudges (namespace, session_id, project_id, kind, payload)
+             VALUES ($1, $2, $3, 'wrap_session', jsonb_build_object('reason', 'context_switch', 'registration', $4::text))
+             RETURNING namespace, session_id)
+         SELECT pg_notify($5, json_build_object('namespace', namespace, 'session_id', session_id)::text) FROM nudged",
     )
     .bind(&row.namespace)
     .bind(&row.session_id)
     .bind(&row.project_id)
     .bind(row.name.as_str())
+    .bind(crate::signals::NUDGES)
     .execute(&mut **tx)
     .await;
     match insert {

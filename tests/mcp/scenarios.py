@@ -114,7 +114,18 @@ async def smoke(args: argparse.Namespace) -> dict[str, Any]:
         args, "claude-ai"
     ) as desk:
         out["protocol_versions"] = [code.protocol_version, codex.protocol_version, desk.protocol_version]
-        out["tools"] = sorted(t.name for t in (await code.list_tools()).tools)
+        listed = (await code.list_tools()).tools
+        out["tools"] = sorted(t.name for t in listed)
+        # SPEC §9: annotations, and an outputSchema (the SDK checks every result against it).
+        out["tool_hints"] = {
+            t.name: {
+                "read_only": t.annotations.read_only_hint if t.annotations else None,
+                "destructive": t.annotations.destructive_hint if t.annotations else None,
+                "idempotent": t.annotations.idempotent_hint if t.annotations else None,
+                "output_schema": schema_type(t.output_schema),
+            }
+            for t in listed
+        }
         # (1) Fresh start: master, a session_id minted, the surface from clientInfo.
         out["code_start"] = await call(code, "prism_start", {"project_id": args.project, **ns})
         s_code = out["code_start"]["structured"]["session_id"]
@@ -242,6 +253,15 @@ SCENARIOS = {
     "replicas": replicas,
     "person": person,
 }
+
+
+def schema_type(schema):
+    """The `type` of a tool's outputSchema, whichever shape the SDK gives it."""
+    if schema is None:
+        return None
+    if isinstance(schema, dict):
+        return schema.get("type")
+    return getattr(schema, "type", None)
 
 
 def main() -> None:

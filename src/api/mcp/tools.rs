@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation, InitializeResult,
-    JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities, Tool,
+    JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities, Tool, ToolAnnotations,
 };
 use rmcp::service::RequestContext;
 use rmcp::{ErrorData, RoleServer, ServerHandler};
@@ -26,8 +26,9 @@ use crate::api::runs::enqueue_as;
 use crate::api::{ApiError, AppState};
 use crate::crd::{AgentSurface, PRINTABLE_PATTERN, Role};
 use crate::election::LiveRole;
+use crate::election::store::{Nudge, NudgeKind};
 use crate::run_registry::RunAddress;
-use crate::run_registry::jobs::{IDEMPOTENCY_KEY_PATTERN, JobFence, JobKind, NewJob, idempotency_key_ok};
+use crate::run_registry::jobs::{IDEMPOTENCY_KEY_PATTERN, JobFence, JobKind, JobState, NewJob, idempotency_key_ok};
 use crate::run_registry::service::{check_address, check_jsonb};
 
 /// The header that names a call's namespace when its arguments do not.
@@ -166,11 +167,91 @@ impl ToolName {
         };
         let schema =
             json!({"type": "object", "properties": properties, "required": required, "additionalProperties": false});
-        let schema: JsonObject = match schema {
-            Value::Object(map) => map,
-            _ => Map::new(),
+        Tool::new(self.as_str(), description, Arc::new(object(schema)))
+            .with_raw_output_schema(Arc::new(object(self.output_schema())))
+            .with_annotations(self.annotations())
+    }
+
+    /// SPEC §9: hints for clients (none of these tools destroys anything or reaches
+    /// outside the operator).
+    fn annotations(self) -> ToolAnnotations {
+        let (read_only, idempotent) = match self {
+            ToolName::Status | ToolName::Job => (true, true),
+            // The same session's start, wrap, heartbeat or fence again changes nothing more.
+            ToolName::Start | ToolName::Wrap | ToolName::Heartbeat | ToolName::Fence => (false, true),
+            // Idempotent only with an idempotency_key.
+            ToolName::Enqueue => (false, false),
         };
-        Tool::new(self.as_str(), description, Arc::new(schema))
+        ToolAnnotations::new().read_only(read_only).destructive(false).idempotent(idempotent).open_world(false)
+    }
+
+    /// What the tool's `structuredContent` conforms to when it succeeds (SPEC §9); a
+    /// refused call's is `{"error": {"code", "message"}}` with `isError: true`. Fields
+    /// are listed, not closed: a later version may add some.
+    fn output_schema(self) -> Value {
+        let text = json!({"type": "string"});
+        let nullable = |t: &str| json!({"type": [t, "null"]});
+        let roles: Vec<Value> = [Role::Pending, Role::Master, Role::Peer, Role::Released]
+            .iter()
+            .map(|r| json!(r.as_str()))
+            .chain([Value::Null])
+            .collect();
+        let role = json!({"type": ["string", "null"], "enum": roles});
+        let entry = json!({"type": "object", "required": ["id", "namespace", "name", "session_id", "agent_surface", "role", "registered_at", "last_heartbeat"],
+            "properties": {"id": {"type": "string", "format": "uuid"}, "namespace": text, "name": text, "session_id": text,
+                           "agent_surface": {"type": "string", "enum": AgentSurface::ALL.iter().map(|s| s.as_str()).collect::<Vec<_>>()},
+                           "role": role, "registered_at": {"type": "string", "format": "date-time"},
+                           "last_heartbeat": {"type": "string", "format": "date-time"}}});
+        let entry_or_null = json!({"anyOf": [entry, {"type": "null"}]});
+        let routing = json!({"type": "object", "required": ["project_id", "namespace", "term", "master", "peers", "stale"],
+            "properties": {"project_id": text, "namespace": text, "term": {"type": "integer"}, "master": entry_or_null,
+                           "peers": {"type": "array", "items": entry}, "stale": {"type": "array", "items": entry}, "caller": entry}});
+        let nudge = json!({"type": "object", "required": ["id", "kind", "project_id", "payload", "created_at"],
+            "properties": {"id": {"type": "string", "format": "uuid"},
+                           "kind": {"type": "string", "enum": NudgeKind::ALL.iter().map(|k| k.as_str()).collect::<Vec<_>>()},
+                           "project_id": text, "payload": {"type": "object"}, "created_at": {"type": "string", "format": "date-time"}}});
+        let job = json!({"type": "object", "required": ["id", "namespace", "server_instance_id", "component_kind", "kind", "state", "attempts", "max_attempts", "cancel_requested", "created_at"],
+            "properties": {"id": {"type": "string", "format": "uuid"}, "namespace": text, "server_instance_id": text, "component_kind": text,
+                           "kind": {"type": "string", "enum": JobKind::ALL.iter().map(|k| k.as_str()).collect::<Vec<_>>()},
+                           "state": {"type": "string", "enum": JobState::ALL.iter().map(|s| s.as_str()).collect::<Vec<_>>()},
+                           "attempts": {"type": "integer"}, "max_attempts": {"type": "integer"}, "cancel_requested": {"type": "boolean"},
+                           "last_error": nullable("string"), "created_at": {"type": "string", "format": "date-time"}}});
+        // D6 (SPEC §9): with a session_id, its role, whether it was preempted, its nudges.
+        let session = [
+            ("role", role.clone()),
+            ("you_were_preempted", json!({"type": "boolean"})),
+            ("nudges", json!({"type": "array", "items": nudge})),
+        ];
+        let mut schema = match self {
+            ToolName::Start => {
+                json!({"type": "object", "required": ["session_id", "registration", "namespace", "project_id", "role", "is_master", "term", "you_were_preempted", "routing"],
+                       "properties": {"session_id": text, "registration": entry, "namespace": text, "project_id": text,
+                                      "is_master": {"type": "boolean"}, "term": {"type": "integer"}, "routing": routing}})
+            }
+            ToolName::Wrap => json!({"type": "object", "required": ["session_id", "released", "routing"],
+                       "properties": {"session_id": text, "released": {"type": "array", "items": {"type": "string", "format": "uuid"}}, "routing": routing}}),
+            ToolName::Status => routing,
+            ToolName::Heartbeat => {
+                json!({"type": "object", "required": ["role", "is_master", "you_were_preempted", "term", "nudges"],
+                       "properties": {"is_master": {"type": "boolean"}, "term": {"type": "integer"}}})
+            }
+            ToolName::Fence => json!({"type": "object", "required": ["project_id", "term", "master"],
+                       "properties": {"project_id": text, "term": {"type": "integer"}, "master": entry}}),
+            ToolName::Enqueue | ToolName::Job => job,
+        };
+        if let Some(properties) = schema["properties"].as_object_mut() {
+            for (name, s) in session {
+                properties.insert(name.to_string(), s);
+            }
+        }
+        schema
+    }
+}
+
+fn object(schema: Value) -> JsonObject {
+    match schema {
+        Value::Object(map) => map,
+        _ => Map::new(),
     }
 }
 
@@ -308,11 +389,23 @@ struct SessionState {
     role: Option<Role>,
     you_were_preempted: bool,
     master: Option<RouteEntry>,
+    /// SPEC §11: its nudges not delivered before, delivered by this answer.
+    nudges: Vec<Nudge>,
 }
 
 impl SessionState {
     fn unregistered() -> Self {
-        SessionState { role: None, you_were_preempted: false, master: None }
+        SessionState { role: None, you_were_preempted: false, master: None, nudges: Vec::new() }
+    }
+}
+
+/// The line a nudge adds to the text of an answer (models read the text).
+fn nudge_line(nudge: &Nudge) -> String {
+    match nudge.kind {
+        NudgeKind::WrapSession => format!(
+            "Nudge: this session moved on from project {}; wrap up what you were doing there.",
+            nudge.project_id
+        ),
     }
 }
 
@@ -338,8 +431,13 @@ fn render(answer: Answer) -> CallToolResult {
     if let (Some(state), Value::Object(map)) = (&answer.session, &mut content) {
         map.insert("role".into(), json!(state.role));
         map.insert("you_were_preempted".into(), json!(state.you_were_preempted));
+        map.insert("nudges".into(), json!(state.nudges));
         if state.you_were_preempted && state.role != Some(Role::Master) {
             text.push_str(&preempted_line(state.master.as_ref()));
+            text.push('\n');
+        }
+        for nudge in &state.nudges {
+            text.push_str(&nudge_line(nudge));
             text.push('\n');
         }
     }
@@ -412,7 +510,13 @@ impl PrismTools {
                 } else {
                     None
                 };
-                Ok(SessionState { role: Some(role_of(&live)), you_were_preempted: live.preempted, master })
+                // Only a call that heartbeats takes the nudges: a reader's does not.
+                let nudges = if may_beat {
+                    agents.take_nudges(namespace, session_id, &cx.caller.username).await?
+                } else {
+                    Vec::new()
+                };
+                Ok(SessionState { role: Some(role_of(&live)), you_were_preempted: live.preempted, master, nudges })
             }
             Err(AgentError::NotRegistered(_)) => Ok(SessionState::unregistered()),
             Err(e) => Err(e.into()),
@@ -441,6 +545,9 @@ impl PrismTools {
             role: Some(role),
             you_were_preempted: done.you_were_preempted,
             master: done.routing.master.clone(),
+            // The register that wrote a nudge (a context switch) does not deliver it:
+            // the session's next call does.
+            nudges: Vec::new(),
         };
         Ok(Answer {
             content: json!({
@@ -473,6 +580,7 @@ impl PrismTools {
             role: Some(Role::Released),
             you_were_preempted: row.row.preempted,
             master: routing.master.clone(),
+            nudges: Vec::new(),
         };
         Ok(Answer {
             content: json!({"session_id": args.session_id, "released": [row.row.id], "routing": routing}),
@@ -520,8 +628,10 @@ impl PrismTools {
             live.project_id,
             reply.term
         );
-        let content = serde_json::to_value(reply).map_err(|e| ApiError::internal("mcp: heartbeat", e))?;
-        let session = SessionState { role: Some(reply.role), you_were_preempted: reply.you_were_preempted, master };
+        let nudges = self.state.agents.take_nudges(&namespace, &args.session_id, &cx.caller.username).await?;
+        let content = serde_json::to_value(&reply).map_err(|e| ApiError::internal("mcp: heartbeat", e))?;
+        let session =
+            SessionState { role: Some(reply.role), you_were_preempted: reply.you_were_preempted, master, nudges };
         Ok(Answer { content, summary, session: Some(session) })
     }
 
@@ -771,7 +881,12 @@ mod tests {
         let result = render(Answer {
             content: json!({"term": 2}),
             summary: "You are a peer.".into(),
-            session: Some(SessionState { role: Some(Role::Peer), you_were_preempted: true, master: Some(master) }),
+            session: Some(SessionState {
+                role: Some(Role::Peer),
+                you_were_preempted: true,
+                master: Some(master),
+                nudges: Vec::new(),
+            }),
         });
         let structured = result.structured_content.clone().expect("structured");
         assert_eq!(structured["role"], "Peer");
