@@ -246,7 +246,7 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
         .json()
         .await
         .expect("json");
-    assert_eq!(hb, json!({"role": "Master", "is_master": true, "you_were_preempted": false, "term": 2}));
+    assert_eq!(hb, json!({"role": "Master", "is_master": true, "you_were_preempted": false, "term": 2, "nudges": []}));
     let fence = |term: i64| {
         http.post(op.url("/api/v1/controller/fence"))
             .bearer_auth(&token)
@@ -322,7 +322,10 @@ async fn scenario_7_stale_registrations_are_swept_and_a_heartbeat_keeps_its_own(
     let r = heartbeat(&op, "s-p").await.expect("heartbeat");
     assert_eq!(r.status(), 200);
     let reply: Value = r.json().await.expect("json");
-    assert_eq!(reply, json!({"role": "Peer", "is_master": false, "you_were_preempted": false, "term": 1}));
+    assert_eq!(
+        reply,
+        json!({"role": "Peer", "is_master": false, "you_were_preempted": false, "term": 1, "nudges": []})
+    );
     let ages = || async {
         sqlx::query_as::<_, (String, f64)>(
             "SELECT name, extract(epoch FROM now() - last_heartbeat)::float8 FROM controller_registrations
@@ -377,7 +380,10 @@ async fn scenario_7_stale_registrations_are_swept_and_a_heartbeat_keeps_its_own(
     );
     // The agents learn it at their next heartbeat: p is master, q is registered no more.
     let reply: Value = heartbeat(&op, "s-p").await.expect("heartbeat").json().await.expect("json");
-    assert_eq!(reply, json!({"role": "Master", "is_master": true, "you_were_preempted": false, "term": 2}));
+    assert_eq!(
+        reply,
+        json!({"role": "Master", "is_master": true, "you_were_preempted": false, "term": 2, "nudges": []})
+    );
     let r = heartbeat(&op, "s-q").await.expect("heartbeat");
     assert_eq!(r.status(), 404);
     assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], "not_registered");
