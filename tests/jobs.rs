@@ -89,6 +89,19 @@ async fn started_run(w: &World, name: &str, server: &str) -> RunClient {
     run
 }
 
+/// Cuts every LISTEN connection to the world's database (the operator's change signals),
+/// as a Postgres restart or a proxy would.
+async fn cut_listeners(w: &World) {
+    let cut: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+          WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+    )
+    .fetch_one(&w.db.pool)
+    .await
+    .expect("terminate the listeners");
+    assert!(cut >= 1, "the operator listens");
+}
+
 async fn complete(run: &RunClient, id: &str, body: Value) -> Result<Value, (u16, String)> {
     let id = uuid::Uuid::parse_str(id).expect("uuid");
     match run.step(&id, "complete", Some(body)).await {
@@ -276,14 +289,7 @@ async fn a_cancel_taken_elsewhere_reaches_the_heartbeat_here_even_across_a_lost_
     .await;
 
     // Cut every LISTEN connection of the operator, then ask again at once.
-    let cut: i64 = sqlx::query_scalar(
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-          WHERE datname = current_database() AND query LIKE 'LISTEN%'",
-    )
-    .fetch_one(&w.db.pool)
-    .await
-    .expect("terminate the listeners");
-    assert!(cut >= 1, "the operator listens for cancels");
+    cut_listeners(&w).await;
     request_cancel(second.clone()).await;
     eventually(5, "the heartbeat names both, the listener cut notwithstanding", || async {
         let cancel = run.heartbeat().await.expect("heartbeat")["cancel"].clone();
@@ -770,14 +776,7 @@ async fn a_waiting_claim_survives_a_lost_listener_and_ends_when_its_replica_stop
 
     let claim = waiting(30);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let cut: i64 = sqlx::query_scalar(
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-          WHERE datname = current_database() AND query LIKE 'LISTEN%'",
-    )
-    .fetch_one(&w.db.pool)
-    .await
-    .expect("terminate the listeners");
-    assert!(cut >= 1, "the operator listens");
+    cut_listeners(&w).await;
     // Queued while no listener hears it.
     let id = id_of(&p.queued("srv-a", "config", json!({})).await);
     let (claimed, took) = claim.await.expect("task");

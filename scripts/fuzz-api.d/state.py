@@ -29,8 +29,10 @@ excuse is as narrow as the writer it stands for; see `diff`):
 * a `runtime_jobs` row whose attempt the job reaper ended: it was claimed or running with
   its visibility deadline (`visible_at`) or attempt deadline (`deadline_at`) passed by the
   time of the second snapshot, and only the reaper's columns changed (src/run_registry/
-  jobs.rs `reap`); and the `runtime_job_events` rows the database's trigger added for
-  that change.
+  jobs.rs `reap`); or one whose cancel was requested longer than the cancel grace
+  (`PRISM_JOB_CANCEL_GRACE_SECONDS`, 30 s) before the second snapshot, ended `cancelled`
+  by the reaper; and the `runtime_job_events` rows the database's trigger added for that
+  change.
 * `controller_registrations.resource_gone` of a row released before the request, going
   from false to true: the reconciler records that the released registration's resource is
   gone (its finalizer ran, or retention deleted it).
@@ -71,6 +73,8 @@ REAPER_COLUMNS = {
     "state", "claimed_at", "visible_at", "claimed_by_session", "updated_at",
     "attempts", "last_error", "completed_at", "deadline_at", "eligible_at",
 }
+# The operator's cancel grace: a job in flight asked to stop is cancelled this long after.
+CANCEL_GRACE = float(os.environ.get("PRISM_JOB_CANCEL_GRACE_SECONDS", "30"))
 # Columns never printed in a change (their values are secrets).
 SECRET_COLUMNS = {"key", "token", "token_hash", "session_token_hash"}
 RESOURCES = [
@@ -320,6 +324,12 @@ def diff(before: Snapshot, after: Snapshot, beats: dict[str, float] | None = Non
                     if a.get("state") in ("queued", "failed", "cancelled"):
                         reaped.add(str(b.get("id")))
                         continue
+                # The reaper: in flight and asked to stop longer than the grace ago.
+                asked = _epoch(b.get("cancel_requested_at"))
+                if b.get("state") in ("claimed", "running") and asked is not None and asked + CANCEL_GRACE <= after.db_now:
+                    if a.get("state") == "cancelled":
+                        reaped.add(str(b.get("id")))
+                        continue
             out.append(f"{table} {key}: {', '.join(sorted(cols))}: {_show(table, b, cols)} -> {_show(table, a, cols)}")
     for name in sorted(before.resources.keys() | after.resources.keys()):
         b, a = before.resources.get(name), after.resources.get(name)
@@ -412,6 +422,9 @@ def diff_selftest() -> list[str]:
     beat = {**reg, "last_heartbeat": "2026-01-01T00:00:01+00:00"}
     job = {"id": "j1", "state": "claimed", "visible_at": "1970-01-01T00:16:30+00:00", "payload": {}, "claimed_at": "x"}
     requeued = {**job, "state": "queued", "visible_at": None, "claimed_at": None}
+    asked = {"id": "j2", "state": "running", "visible_at": "1970-01-01T00:20:00+00:00", "payload": {},
+             "deadline_at": "1970-01-01T00:25:00+00:00", "cancel_requested_at": "1970-01-01T00:15:00+00:00"}
+    graced = {**asked, "state": "cancelled", "visible_at": None, "deadline_at": None, "completed_at": "x"}
     obj = {"metadata": {"name": "a", "uid": "u", "generation": 1, "finalizers": ["f"], "deletionTimestamp": "t"}}
     gone_finalizer = {"metadata": {**obj["metadata"], "finalizers": []}}
     cases = [  # (what, before, after, beats, caught?)
@@ -427,6 +440,10 @@ def diff_selftest() -> list[str]:
          snap({"runtime_jobs": {"j1": requeued}}, {}, 101, 1000.0), {}, False),
         ("a requeue before the deadline", snap({"runtime_jobs": {"j1": job}}, {}),
          snap({"runtime_jobs": {"j1": requeued}}, {}, 101, 900.0), {}, True),
+        ("the reaper's cancel past the grace", snap({"runtime_jobs": {"j2": asked}}, {}),
+         snap({"runtime_jobs": {"j2": graced}}, {}, 101, 1000.0), {}, False),
+        ("a cancel within the grace", snap({"runtime_jobs": {"j2": {**asked, "cancel_requested_at": "1970-01-01T00:16:30+00:00"}}}, {}),
+         snap({"runtime_jobs": {"j2": {**graced, "cancel_requested_at": "1970-01-01T00:16:30+00:00"}}}, {}, 101, 1000.0), {}, True),
         ("a requeue that changes the payload", snap({"runtime_jobs": {"j1": job}}, {}),
          snap({"runtime_jobs": {"j1": {**requeued, "payload": {"x": 1}}}}, {}, 101, 1000.0), {}, True),
         ("a deleted resource's finalizer going", snap({}, {"c/ns/a": obj}), snap({}, {"c/ns/a": gone_finalizer}), {}, False),
