@@ -430,6 +430,16 @@ impl AgentService {
         Ok(self.routing_change(namespace, project_id, session_id).await?.table)
     }
 
+    /// A page of the namespace's projects and their terms (`ElectionStore::projects`).
+    pub async fn projects(
+        &self,
+        namespace: &str,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<(String, i64)>, ElectionError> {
+        self.store.projects(namespace, after, limit).await
+    }
+
     /// The session's undelivered nudges, marked delivered (`ElectionStore::take_nudges`);
     /// Postgres is read only when one may be pending (`Signals`). The caller must be
     /// one that may heartbeat the session (SPEC §4 rule 8).

@@ -15,6 +15,10 @@
 //!   their answers (heartbeat, status, MCP calls, watches) read the `nudges` table only
 //!   for those: the coalesced agent heartbeat stays free of Postgres.
 //!
+//! * **MCP subscriptions.** The GET stream of a session-based MCP session waits on the
+//!   session: a `resources/subscribe` or `unsubscribe` made through any replica wakes it
+//!   to read what the session follows again.
+//!
 //! Waiting costs a future and no Postgres connection. Triggers and the election's
 //! writes NOTIFY (channels below); a signal is delivered at commit, never for a
 //! rolled-back change. While this replica is not listening (starting, Postgres
@@ -47,6 +51,9 @@ pub const JOB_WAKES: &str = "prism_job_wakes";
 pub const PROJECTS: &str = "prism_projects";
 /// A session got a nudge (the context switch's write, `election::store`).
 pub const NUDGES: &str = "prism_nudges";
+/// An MCP session's subscriptions changed (`api::mcp::subscriptions`); the payload is
+/// the session's digest.
+pub const MCP_SUBSCRIPTIONS: &str = "prism_mcp_subscriptions";
 /// Addresses whose cancels are all done are forgotten this often.
 pub const RESCAN_EVERY: Duration = Duration::from_secs(30);
 /// A wake at a job's `eligible_at` further off than this is not scheduled: the job's
@@ -94,6 +101,7 @@ struct Inner {
     nudges: Pending<SessionKey>,
     runs: Arc<Waiters<RunAddress>>,
     projects: Arc<Waiters<ProjectKey>>,
+    mcp_sessions: Arc<Waiters<String>>,
 }
 
 /// Keys that may have something pending; `None` while not listening: nothing known,
@@ -176,6 +184,16 @@ impl Signals {
         self.inner.projects.waiter(project)
     }
 
+    /// Waits on an MCP session's subscriptions (its GET stream), by session digest.
+    pub fn mcp_session_waiter(&self, digest: &str) -> Waiter<String> {
+        self.inner.mcp_sessions.waiter(&digest.to_string())
+    }
+
+    /// Wakes the streams of an MCP session on this replica (the others hear the NOTIFY).
+    pub fn wake_mcp_session(&self, digest: &str) {
+        self.inner.mcp_sessions.wake(&digest.to_string());
+    }
+
     /// How many addresses and projects are waited on now.
     pub fn waited(&self) -> (usize, usize) {
         (self.inner.runs.len(), self.inner.projects.len())
@@ -201,6 +219,7 @@ impl Signals {
     fn wake_everyone(&self) {
         self.inner.runs.wake_all();
         self.inner.projects.wake_all();
+        self.inner.mcp_sessions.wake_all();
     }
 
     /// Follows the notifications until the process ends: LISTEN on a connection of its
@@ -225,7 +244,7 @@ impl Signals {
         let mut listener = sqlx::postgres::PgListener::connect_with(listening).await?;
         // Not `recv`'s silent reconnection: the gap must be seen, to look again.
         listener.eager_reconnect(false);
-        listener.listen_all([JOB_CANCELS, JOB_WAKES, PROJECTS, NUDGES]).await?;
+        listener.listen_all([JOB_CANCELS, JOB_WAKES, PROJECTS, NUDGES, MCP_SUBSCRIPTIONS]).await?;
         self.rescan(pool).await?;
         self.wake_everyone();
         let mut rescan = tokio::time::interval(RESCAN_EVERY);
@@ -264,6 +283,10 @@ impl Signals {
                 }
                 Err(_) => false,
             },
+            MCP_SUBSCRIPTIONS => {
+                self.inner.mcp_sessions.wake(&payload.to_string());
+                true
+            }
             JOB_CANCELS | JOB_WAKES => match serde_json::from_str::<JobSignal>(payload) {
                 Ok(signal) if channel == JOB_CANCELS => {
                     self.note_cancel(&signal.address());

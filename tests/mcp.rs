@@ -476,3 +476,72 @@ async fn the_charts_allow_list_admits_its_service_names() {
         assert_eq!(r.status(), status, "{host}");
     }
 }
+
+/// SPEC §11 over MCP, both generations, two replicas behind one client: the routing
+/// table is a resource (template, list, read); a desktop's preemption is notified
+/// (`resources/subscribe` + the session's GET stream; `subscriptions/listen`) and the
+/// resource then reads the new master; bad URIs and an identity without rights are
+/// refused with their codes; a session follows at most 32 resources, and its
+/// subscriptions go with it.
+#[tokio::test]
+async fn the_routing_table_is_a_resource_and_its_changes_are_notified() {
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "mcp-res").await;
+    let db = TestDb::new().await;
+    let start = |pod: &'static str| {
+        let db_url = db.url.clone();
+        let ns = ns.clone();
+        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
+    };
+    let (a, b) = (start("mcp-res-a").await, start("mcp-res-b").await);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    // May watch registrations, not list them: no read of a routing table.
+    let outsider = support::agent_token(cp, &ns, "outsider", &["watch"]);
+    let urls = format!("{},{}", mcp_url(&a), mcp_url(&b));
+    for (i, mode) in MODES.into_iter().enumerate() {
+        let project = format!("web app/{i}");
+        let uri = format!("prism://{ns}/projects/web%20app%2F{i}");
+        let out = scenario(
+            "resources",
+            mode,
+            &urls,
+            &token,
+            &[("namespace", &ns), ("project", &project), ("outsider-token", &outsider)],
+        )
+        .await;
+        assert_eq!(
+            out["templates"],
+            json!([{"uri_template": "prism://{namespace}/projects/{project_id}", "mime": "application/json"}]),
+            "{mode}"
+        );
+        assert!(out["listed"].as_array().expect("listed").contains(&json!(uri)), "{mode}: {:#}", out["listed"]);
+        assert_eq!(out["mime"], "application/json");
+        let started = ok(&out["start"], "start");
+        assert_eq!(out["before"]["master"]["session_id"], started["session_id"], "{mode}");
+        assert_eq!(out["before"]["project_id"], project.as_str());
+        assert_eq!(out["bad_uri"]["rpc_error"]["data"]["error"]["code"], "invalid_request", "{mode}: {out:#}");
+        ok(&out["desk_start"], "desk start");
+        assert_eq!(out["updates"].get(0), Some(&json!(uri)), "{mode}: the preemption was notified: {out:#}");
+        println!("{mode}: preemption → resource notification in {} ms", out["latency_ms"]);
+        assert_eq!(out["after"]["master"]["agent_surface"], "claude_desktop", "{mode}");
+        assert_eq!(out["after"]["term"], 2, "{mode}");
+        assert_eq!(out["outsider_read"]["rpc_error"]["data"]["error"]["code"], "forbidden", "{mode}: {out:#}");
+        assert_eq!(out["outsider_list"]["rpc_error"]["data"]["error"]["code"], "forbidden", "{mode}");
+        if mode == "legacy" {
+            assert_eq!(out["outsider_subscribe"]["rpc_error"]["data"]["error"]["code"], "forbidden", "{out:#}");
+            let many = out["many"].as_array().expect("many");
+            assert_eq!(many.iter().filter(|r| *r == "ok").count(), 32, "{many:?}");
+            assert_eq!(many.last(), Some(&json!("quota_exceeded")));
+            // The SDK ends its session on exit (DELETE /mcp): its subscriptions go.
+            let left: i64 = sqlx::query_scalar("SELECT count(*) FROM mcp_subscriptions")
+                .fetch_one(&db.pool)
+                .await
+                .expect("count subscriptions");
+            assert_eq!(left, 0, "the ended session's subscriptions are deleted");
+        } else {
+            assert_eq!(out["honored"], json!([uri]), "only project URIs are honoured");
+            assert!(out["outsider_listen"]["refused"].is_string(), "{:#}", out["outsider_listen"]);
+        }
+    }
+}

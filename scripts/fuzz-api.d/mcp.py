@@ -170,12 +170,18 @@ class Client:
 
     def send(self, req: Request) -> Answer:
         r = self.http.request(req.method, self.base + req.path, headers=req.headers, data=req.body, timeout=60,
-                              verify=self.verify)
+                              verify=self.verify, stream=True)
+        headers = {k.lower(): v for k, v in r.headers.items()}
+        if req.method == "GET" and headers.get("content-type", "").startswith("text/event-stream"):
+            # A session's GET stream (its resource notifications) stays open until the
+            # client leaves: its status and headers are the answer.
+            r.close()
+            return Answer(r.status_code, headers, b"", None)
         try:
             parsed = r.json() if r.content else None
         except ValueError:
             parsed = None
-        return Answer(r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content, parsed)
+        return Answer(r.status_code, headers, r.content, parsed)
 
     def rpc_request(self, method: str, params: dict | None, name: str | None = None) -> Request:
         body = json.dumps(self.message(method, params)).encode()
@@ -806,6 +812,16 @@ class Run:
                 **good["params"]["_meta"], "io.modelcontextprotocol/protocolVersion": "2025-06-18"}}}))
             add("meta_client_info_junk", enc({**good, "params": {**status_call, "_meta": {
                 **good["params"]["_meta"], "io.modelcontextprotocol/clientInfo": {"name": "\x00" * 300}}}}))
+        # Resources (SPEC §11): reads and subscriptions of good, foreign and bad URIs.
+        ns = self.args.namespace
+        for uri in [f"prism://{ns}/projects/PID-FUZZ", f"prism://{ns}/projects/PID%20FUZZ%2F1", "prism://kube-system/projects/p",
+                    "prism://Not_A_NS/projects/p", f"prism://{ns}/projects/", f"prism://{ns}/projects/a/b",
+                    f"prism://{ns}/projects/%FF", f"prism://{ns}/projects/%00", "file:///etc/passwd", "x" * 5000, ""]:
+            for method in ["resources/read", "resources/subscribe", "resources/unsubscribe"]:
+                add(f"{method}_{uri[:24]}", enc(c.message(method, {"uri": uri})), c.headers(method))
+        for method in ["resources/list", "resources/templates/list"]:
+            add(method, enc(c.message(method, {})), c.headers(method))
+            add(f"{method}_bad_cursor", enc(c.message(method, {"cursor": "!!not-ours"})), c.headers(method))
         # HTTP methods and paths.
         for m in ["GET", "DELETE", "PUT", "PATCH", "OPTIONS", "HEAD"]:
             add(f"http_{m}", enc(good) if m in ("PUT", "PATCH") else None, h, m)

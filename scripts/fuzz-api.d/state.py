@@ -193,6 +193,9 @@ class Durable:
                FROM pg_class c
                WHERE c.relkind IN ('r', 'p') AND c.relnamespace = current_schema()::regnamespace
                  AND c.relname NOT LIKE '\\_sqlx%'
+                 -- What an MCP session follows (resources/subscribe) is bookkeeping of the
+                 -- caller's own session, like an open watch: any reader may subscribe.
+                 AND c.relname <> 'mcp_subscriptions'
                ORDER BY c.relname"""
         )
         return {name: list(pk) for name, pk in cur.fetchall()}

@@ -107,12 +107,12 @@ pub async fn watch(
 }
 
 /// Resolves once the server stops (or its sender is gone).
-async fn stopped(stopping: &mut tokio::sync::watch::Receiver<bool>) {
+pub async fn stopped(stopping: &mut tokio::sync::watch::Receiver<bool>) {
     let _ = stopping.wait_for(|stop| *stop).await;
 }
 
-/// Only what authenticating again needs.
-fn auth_headers(headers: &HeaderMap) -> HeaderMap {
+/// Only what authenticating a stream's caller again needs.
+pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
     let mut kept = HeaderMap::new();
     if let Some(v) = headers.get(axum::http::header::AUTHORIZATION) {
         kept.insert(axum::http::header::AUTHORIZATION, v.clone());

@@ -122,7 +122,9 @@ async fn mcp_config(args: &RunArgs, pool: &sqlx::PgPool) -> anyhow::Result<api::
         Some(key) => key,
         None => api::mcp::SessionKey::shared(pool).await?,
     };
-    Ok(api::mcp::McpConfig { allowed_hosts, session_key })
+    let subscriptions = api::mcp::subscriptions::Subscriptions::new(pool.clone());
+    spawn_subscription_pruning(subscriptions.clone());
+    Ok(api::mcp::McpConfig { allowed_hosts, session_key, subscriptions })
 }
 
 /// The Redis side of the registry. An unreachable Redis is no reason not to start: the
@@ -194,6 +196,22 @@ fn spawn_limit_pruning(limits: Arc<api::limits::Limits>) {
         loop {
             tick.tick().await;
             limits.prune();
+        }
+    });
+}
+
+/// MCP subscriptions nobody renewed for a day are deleted (any replica may; the
+/// delete is idempotent).
+fn spawn_subscription_pruning(subscriptions: api::mcp::subscriptions::Subscriptions) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(600));
+        loop {
+            tick.tick().await;
+            match subscriptions.prune().await {
+                Ok(0) => {}
+                Ok(n) => info!(subscriptions = n, "retention: deleted MCP subscriptions nobody renewed"),
+                Err(error) => warn!(%error, "retention: MCP subscriptions could not be pruned"),
+            }
         }
     });
 }

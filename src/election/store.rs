@@ -330,6 +330,27 @@ impl ElectionStore {
         Ok(ProjectView { term, changes, master, live })
     }
 
+    /// The projects of a namespace with their terms, by project id, from after `after`
+    /// (a page of `limit`): what an MCP client lists as resources.
+    pub async fn projects(
+        &self,
+        namespace: &str,
+        after: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<(String, i64)>, ElectionError> {
+        Ok(sqlx::query_as(
+            "SELECT project_id, term FROM controller_projects
+              WHERE namespace = $1 AND ($2::text IS NULL OR project_id > $2)
+              ORDER BY project_id LIMIT $3",
+        )
+        .bind(namespace)
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .step("list the namespace's projects")?)
+    }
+
     /// The undelivered nudges of a session, oldest first, marked delivered by this read:
     /// each is delivered once (concurrent readers take disjoint rows). Only for a caller
     /// that may act on the session: its owner, or anyone when none of its registrations

@@ -19,8 +19,10 @@ import asyncio
 import json
 import ssl
 import sys
+import time
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import httpx2
 from mcp import Client
@@ -66,7 +68,7 @@ class Alternating(httpx2.AsyncBaseTransport):
 
 
 @asynccontextmanager
-async def connect(args: argparse.Namespace, client_name: str, token: str | None = None):
+async def connect(args: argparse.Namespace, client_name: str, token: str | None = None, **client_options: Any):
     """An MCP client of the given clientInfo.name, with the bearer token."""
     urls = args.url.split(",")
     token = args.token if token is None else token
@@ -85,6 +87,7 @@ async def connect(args: argparse.Namespace, client_name: str, token: str | None 
             streamable_http_client(urls[0], http_client=http),
             mode=mode,
             client_info=Implementation(name=client_name, version="1.0.0"),
+            **client_options,
         )
         async with client:
             client.http_log = transport.log if transport else []  # type: ignore[attr-defined]
@@ -243,7 +246,84 @@ async def calls(args: argparse.Namespace) -> dict[str, Any]:
         return {"protocol_version": c.protocol_version, "answers": [await call(c, t, a) for t, a in plan]}
 
 
+async def rpc(call: Any) -> dict[str, Any]:
+    """A request that answers a result, or the JSON-RPC error it got."""
+    try:
+        return {"result": await call}
+    except MCPError as e:
+        return {"rpc_error": {"code": e.error.code, "message": e.error.message, "data": e.error.data}}
+
+
+async def resources(args: argparse.Namespace) -> dict[str, Any]:
+    """SPEC §11 over MCP: the routing table as a resource (templates, list, read), and
+    its change notified — `resources/subscribe` and the session's GET stream (legacy),
+    `subscriptions/listen` (modern) — when a desktop session preempts the master. With
+    two URLs the client's requests (and its GET stream) alternate between replicas.
+    --outsider-token: an identity without rights in the namespace."""
+    ns = args.namespace
+    uri = f"prism://{ns}/projects/{quote(args.project, safe='')}"
+    updates: list[tuple[str, float]] = []
+
+    async def on_message(message: Any) -> None:
+        if getattr(message, "method", None) == "notifications/resources/updated":
+            updates.append((message.params.uri, time.monotonic()))
+
+    def table(read: Any) -> dict[str, Any]:
+        return json.loads(read.contents[0].text)
+
+    out: dict[str, Any] = {}
+    async with connect(args, "claude-code", message_handler=on_message) as code:
+        out["start"] = await call(code, "prism_start", {"project_id": args.project, "namespace": ns})
+        templates = (await code.list_resource_templates()).resource_templates
+        out["templates"] = [{"uri_template": t.uri_template, "mime": t.mime_type} for t in templates]
+        out["listed"] = [r.uri for r in (await code.list_resources()).resources]
+        before = await code.read_resource(uri)
+        out["mime"] = before.contents[0].mime_type
+        out["before"] = table(before)
+        out["bad_uri"] = await rpc(code.read_resource("prism://Not_A_NS/projects/x"))
+        async with connect(args, "claude-ai") as desk:
+            if args.mode == "legacy":
+                out["subscribed"] = str(await code.subscribe_resource(uri))
+                await asyncio.sleep(1.0)  # the GET stream reads the subscription
+                t0 = time.monotonic()
+                out["desk_start"] = await call(desk, "prism_start", {"project_id": args.project, "namespace": ns})
+                for _ in range(100):
+                    if updates:
+                        break
+                    await asyncio.sleep(0.1)
+                out["updates"] = [u for u, _ in updates]
+                out["latency_ms"] = round((updates[0][1] - t0) * 1000) if updates else None
+            else:
+                async with code.listen(resource_subscriptions=[uri, "file:///etc/passwd"]) as sub:
+                    out["honored"] = sub.honored.resource_subscriptions
+                    t0 = time.monotonic()
+                    out["desk_start"] = await call(desk, "prism_start", {"project_id": args.project, "namespace": ns})
+                    event = await asyncio.wait_for(sub.__anext__(), 10)
+                    out["updates"] = [event.uri]
+                    out["latency_ms"] = round((time.monotonic() - t0) * 1000)
+        out["after"] = table(await code.read_resource(uri))
+        if args.mode == "legacy":
+            out["unsubscribed"] = str(await code.unsubscribe_resource(uri))
+            # A session follows at most 32 resources.
+            many = [await rpc(code.subscribe_resource(f"prism://{ns}/projects/many-{i}")) for i in range(33)]
+            out["many"] = ["ok" if "result" in r else r["rpc_error"]["data"]["error"]["code"] for r in many]
+    if args.outsider_token:
+        async with connect(args, "claude-code", token=args.outsider_token) as outsider:
+            out["outsider_read"] = await rpc(outsider.read_resource(uri))
+            out["outsider_list"] = await rpc(outsider.list_resources())
+            if args.mode == "legacy":
+                out["outsider_subscribe"] = await rpc(outsider.subscribe_resource(uri))
+            else:
+                try:
+                    async with outsider.listen(resource_subscriptions=[uri]) as sub:
+                        out["outsider_listen"] = {"events": [e.uri async for e in sub]}
+                except Exception as e:  # noqa: BLE001 - the refusal is what is recorded
+                    out["outsider_listen"] = {"refused": type(e).__name__, "message": str(e)}
+    return out
+
+
 SCENARIOS = {
+    "resources": resources,
     "calls": calls,
     "smoke": smoke,
     "after_sweep": after_sweep,
@@ -276,6 +356,7 @@ def main() -> None:
     parser.add_argument("--session", default="")
     parser.add_argument("--calls", default="[]")
     parser.add_argument("--client", default="claude-code")
+    parser.add_argument("--outsider-token", default="")
     args = parser.parse_args()
     result = asyncio.run(SCENARIOS[args.scenario](args))
     sys.stdout.write(json.dumps(result, default=str) + "\n")

@@ -31,7 +31,9 @@ use super::auth::Caller;
 use super::{ApiError, AppState, MAX_BODY_BYTES};
 
 pub mod hosts;
+pub mod resources;
 pub mod session;
+pub mod subscriptions;
 pub mod tools;
 
 pub use hosts::AllowedHosts;
@@ -46,6 +48,8 @@ const WWW_AUTHENTICATE: &str = "Bearer realm=\"prism\"";
 pub struct McpConfig {
     pub allowed_hosts: AllowedHosts,
     pub session_key: SessionKey,
+    /// `resources/subscribe` of the session-based revisions.
+    pub subscriptions: subscriptions::Subscriptions,
 }
 
 type Service = StreamableHttpService<tools::PrismTools, NeverSessionManager>;
@@ -90,9 +94,22 @@ impl Endpoint {
         let peer = parts.extensions.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
         let caller = self.state.auth.authenticate(&parts.headers, peer).await.map_err(unauthorized)?;
         let facts = self.session(&parts.headers, &caller).map_err(|r| *r)?;
+        if let Some(session) = facts.clone() {
+            // A session's own GET stream (its resource notifications) and its end: kept
+            // in Postgres, so any replica serves them (`subscriptions`).
+            if parts.method == Method::GET && accepts_event_stream(&parts.headers) {
+                let follower =
+                    resources::Follower { caller, headers: super::watch::auth_headers(&parts.headers), peer };
+                return Ok(subscriptions::stream(self.state.clone(), follower, session));
+            }
+            if parts.method == Method::DELETE {
+                self.state.mcp.subscriptions.forget(&session).await.map_err(|e| ApiError::from(e).into_response())?;
+                return Ok(StatusCode::OK.into_response());
+            }
+        }
         if parts.method != Method::POST {
-            // GET (a standalone SSE stream) and DELETE (end a session): rmcp's stateless
-            // mode answers 405, which the MCP transport allows for both.
+            // GET and DELETE without a session: rmcp's stateless mode answers 405, which
+            // the MCP transport allows for both.
             let response = self.service.handle(axum::http::Request::from_parts(parts, Body::empty())).await;
             return Ok(response.map(Body::new));
         }
@@ -152,6 +169,10 @@ impl Endpoint {
         }
         Response::from_parts(parts, Body::from(bytes))
     }
+}
+
+fn accepts_event_stream(headers: &HeaderMap) -> bool {
+    headers.get_all(header::ACCEPT).iter().any(|v| v.to_str().is_ok_and(|v| v.contains("text/event-stream")))
 }
 
 /// 401 answers carry the challenge MCP clients look for.

@@ -9,9 +9,11 @@ use std::sync::Arc;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation, InitializeResult,
-    JsonObject, ListToolsResult, PaginatedRequestParams, ServerCapabilities, Tool, ToolAnnotations,
+    JsonObject, ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
+    ReadResourceRequestParams, ReadResourceResponse, ServerCapabilities, SubscribeRequestParams, SubscriptionFilter,
+    Tool, ToolAnnotations, UnsubscribeRequestParams,
 };
-use rmcp::service::RequestContext;
+use rmcp::service::{RequestContext, SubscriptionContext};
 use rmcp::{ErrorData, RoleServer, ServerHandler};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -19,6 +21,8 @@ use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
 use super::SessionFacts;
+use super::resources::{self, Follower};
+use super::subscriptions;
 use crate::agent_sessions::{AgentError, HeartbeatReply, RouteEntry};
 use crate::api::agents::{RESOURCE, check_identifier, check_namespace};
 use crate::api::auth::Caller;
@@ -754,8 +758,11 @@ impl PrismTools {
 
 impl ServerHandler for PrismTools {
     fn get_info(&self) -> InitializeResult {
-        let mut info =
-            InitializeResult::new(ServerCapabilities::builder().enable_tools().build()).with_instructions(INSTRUCTIONS);
+        // Resources: the routing tables, with subscriptions (SPEC §11); their list never
+        // changes shape, so no list_changed.
+        let capabilities =
+            ServerCapabilities::builder().enable_tools().enable_resources().enable_resources_subscribe().build();
+        let mut info = InitializeResult::new(capabilities).with_instructions(INSTRUCTIONS);
         info.server_info = Implementation::new("prism-operator", env!("CARGO_PKG_VERSION"));
         info
     }
@@ -772,6 +779,79 @@ impl ServerHandler for PrismTools {
         ToolName::parse(name).map(ToolName::definition)
     }
 
+    async fn list_resources(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, ErrorData> {
+        let (caller, parts) = authenticated(&context)?;
+        let namespace = resolve_namespace(None, namespace_header(parts), caller).ok();
+        let cursor = request.as_ref().and_then(|r| r.cursor.as_deref());
+        resources::list(&self.state, caller, namespace, cursor).await.map_err(|e| resources::rpc_error(&e))
+    }
+
+    async fn list_resource_templates(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListResourceTemplatesResult, ErrorData> {
+        Ok(resources::templates())
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        let (caller, _) = authenticated(&context)?;
+        let result = resources::read(&self.state, caller, &request.uri).await.map_err(|e| resources::rpc_error(&e))?;
+        Ok(result.into())
+    }
+
+    fn accepted_subscription_filter(&self, requested: &SubscriptionFilter) -> Option<SubscriptionFilter> {
+        Some(resources::accepted(requested))
+    }
+
+    async fn listen(&self, context: SubscriptionContext) -> Result<(), ErrorData> {
+        let (caller, parts) = authenticated(context.request_context())?;
+        let follower = Follower {
+            caller: caller.clone(),
+            headers: crate::api::watch::auth_headers(&parts.headers),
+            peer: peer_of(parts),
+        };
+        resources::listen(self.state.clone(), follower, context).await
+    }
+
+    // rmcp marks these legacy-only (2026-07-28 has `listen`); SPEC §11 serves both.
+    #[allow(deprecated)]
+    async fn subscribe(
+        &self,
+        request: SubscribeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        let (caller, parts) = authenticated(&context)?;
+        let follower = Follower {
+            caller: caller.clone(),
+            headers: crate::api::watch::auth_headers(&parts.headers),
+            peer: peer_of(parts),
+        };
+        let session = parts.extensions.get::<SessionFacts>();
+        subscriptions::subscribe(&self.state, &follower, session, &request.uri)
+            .await
+            .map_err(|e| resources::rpc_error(&e))
+    }
+
+    #[allow(deprecated)]
+    async fn unsubscribe(
+        &self,
+        request: UnsubscribeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<(), ErrorData> {
+        let (_, parts) = authenticated(&context)?;
+        let session = parts.extensions.get::<SessionFacts>();
+        subscriptions::unsubscribe(&self.state, session, &request.uri).await.map_err(|e| resources::rpc_error(&e))
+    }
+
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
@@ -783,16 +863,12 @@ impl ServerHandler for PrismTools {
                 None,
             ));
         };
-        let parts = context.extensions.get::<axum::http::request::Parts>();
-        let Some(caller) = parts.and_then(|p| p.extensions.get::<Caller>()) else {
-            // The gate authenticates every request before rmcp sees it.
-            return Err(ErrorData::internal_error("the request reached the tools unauthenticated", None));
-        };
+        let (caller, parts) = authenticated(&context)?;
         let cx = CallContext {
             caller,
-            namespace_header: parts.and_then(|p| p.headers.get(NAMESPACE_HEADER)).and_then(|v| v.to_str().ok()),
+            namespace_header: namespace_header(parts),
             context: &context,
-            session: parts.and_then(|p| p.extensions.get::<SessionFacts>()),
+            session: parts.extensions.get::<SessionFacts>(),
         };
         let result = match self.call(tool, request.arguments, &cx).await {
             Ok(answer) => render(answer),
@@ -800,6 +876,24 @@ impl ServerHandler for PrismTools {
         };
         Ok(CallToolResponse::Complete(result))
     }
+}
+
+/// The caller the gate authenticated, and the HTTP request it came with.
+fn authenticated(context: &RequestContext<RoleServer>) -> Result<(&Caller, &axum::http::request::Parts), ErrorData> {
+    let parts = context.extensions.get::<axum::http::request::Parts>();
+    match parts.and_then(|p| p.extensions.get::<Caller>().map(|c| (c, p))) {
+        Some(found) => Ok(found),
+        // The gate authenticates every request before rmcp sees it.
+        None => Err(ErrorData::internal_error("the request reached the tools unauthenticated", None)),
+    }
+}
+
+fn namespace_header(parts: &axum::http::request::Parts) -> Option<&str> {
+    parts.headers.get(NAMESPACE_HEADER).and_then(|v| v.to_str().ok())
+}
+
+fn peer_of(parts: &axum::http::request::Parts) -> Option<std::net::IpAddr> {
+    parts.extensions.get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip())
 }
 
 fn tool_names() -> String {
