@@ -235,3 +235,39 @@ async fn a_nudge_rides_in_the_next_heartbeat_once_and_only_its_owners() {
     let (_, second) = beat(alice.clone()).await;
     assert_eq!(second["nudges"], json!([]), "delivered once");
 }
+
+/// SPEC §11 shutdown: a replica that stops (SIGTERM, a rolling update) ends its watches
+/// cleanly (the stream closes, with no error event, so the client reconnects to another
+/// replica) and only then hands its Lease back: its log says so in that order.
+#[tokio::test]
+async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
+    use std::time::Instant;
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "watch-stop").await;
+    let db = TestDb::new().await;
+    let mut op =
+        Operator::start(cp, &db.url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", "watch-stop-a")]).await;
+    let token = support::agent_token(cp, &ns, "agent", &ALL);
+    support::eventually(30, "leadership", || async { op.logs().contains("became leader").then_some(()) }).await;
+    let (status, mut events) = watch(&op, &token, &ns, "p-stop", None, None).await;
+    assert_eq!(status, 200);
+    table(&next(&mut events, 5).await.expect("the snapshot"));
+
+    let stopped_at = Instant::now();
+    let killed = std::process::Command::new("kill").args(["-TERM", &op.pid().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    // The stream ends (None), with no event before its end.
+    let after = tokio::time::timeout(Duration::from_secs(5), events.next()).await.expect("the stream ends");
+    assert!(after.is_none(), "no error event, a clean end: {after:?}");
+    assert!(stopped_at.elapsed() < Duration::from_secs(3), "ended {:?} after SIGTERM", stopped_at.elapsed());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while op.exited().is_none() {
+        assert!(Instant::now() < deadline, "still running 10 s after SIGTERM:\n{}", op.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let logs = op.logs();
+    let api_stopped = logs.find("HTTP API stopped").expect("the API's stop is logged");
+    let released = logs.find("leadership released on shutdown").expect("the Lease's release is logged");
+    assert!(api_stopped < released, "the Lease went back before the API had stopped:\n{logs}");
+}

@@ -61,7 +61,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (api_registry, controller_registry) = (registry_on(&api_pool), registry_on(&controller_pool));
     let controller_election = ElectionStore::with_quotas(controller_pool.clone(), quotas);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    start_leader_work(&args, &kube, &controller_election, &controller_registry, &metrics, stop_rx.clone());
+    // The Lease is handed back only after the API has answered its waiting claims and
+    // ended its streams (SPEC §11): until then this replica still leads, and the
+    // clients it sends elsewhere find a replica that is not stopping.
+    let (lease_stop_tx, lease_stop_rx) = tokio::sync::watch::channel(false);
+    let leading = start_leader_work(&args, &kube, &controller_election, &controller_registry, &metrics, lease_stop_rx);
     let election = ElectionStore::with_quotas(api_pool.clone(), quotas);
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
     let mcp = mcp_config(&args, &api_pool).await?;
@@ -97,8 +101,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let _ = stop_tx.send(true);
     });
     serve_api(&args, state, stop_rx).await?;
-    // Give the leader loop a moment to hand the Lease back.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    info!("HTTP API stopped: waiting claims answered, watches and MCP streams ended");
+    let _ = lease_stop_tx.send(true);
+    if let Some(leading) = leading {
+        // Bounded: a Lease that cannot be written now expires by itself.
+        let _ = tokio::time::timeout(Duration::from_secs(5), leading).await;
+    }
     info!("stopped");
     Ok(())
 }
@@ -151,7 +159,7 @@ fn start_leader_work(
     registry: &RunRegistry,
     metrics: &Arc<Metrics>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) {
+) -> Option<tokio::task::JoinHandle<()>> {
     let status_heartbeat = Duration::from_secs(u64::from(args.status_heartbeat_seconds));
     let ctx = Arc::new(reconcilers::Context {
         client: kube.clone(),
@@ -179,12 +187,13 @@ fn start_leader_work(
     let leader_work = move || reconcilers::lead(ctx.clone(), namespace.clone(), stale, sweep_every);
     if args.leader_election {
         let cfg = crate::leader::LeaseConfig::from_env("prism-operator-leader");
-        tokio::spawn(crate::leader::run(kube.clone(), cfg, leader_work, async move {
+        Some(tokio::spawn(crate::leader::run(kube.clone(), cfg, leader_work, async move {
             // A closed channel means the process is stopping: stop leading as well.
             let _ = stop.wait_for(|stop| *stop).await;
-        }));
+        })))
     } else {
         tokio::spawn(leader_work());
+        None
     }
 }
 
