@@ -545,3 +545,102 @@ async fn the_routing_table_is_a_resource_and_its_changes_are_notified() {
         }
     }
 }
+
+/// The official MCP conformance runner (`@modelcontextprotocol/conformance`, pinned,
+/// scripts/mcp-conformance) against a real operator, in its session-based generation
+/// (the runner's scenarios are written for 2025-06-18 and 2025-11-25). Every server
+/// scenario that applies to this server must pass every check; the others need the
+/// runner's own test server (its tools, resources and prompts), and are listed here
+/// with why. The runner cannot send a credential: tests/mcp/conformance-token.cjs adds
+/// the bearer token to its requests, as a client configured with the header would.
+#[tokio::test]
+async fn the_official_conformance_runner_passes_what_applies() {
+    const APPLY: &[&str] = &[
+        "server-initialize",
+        "ping",
+        "tools-list",
+        "resources-list",
+        "server-sse-multiple-streams",
+        "dns-rebinding-protection",
+    ];
+    /// Not applicable, and why (each needs what only the runner's test server has).
+    const NOT_APPLICABLE: &[(&str, &str)] = &[
+        ("logging-set-level", "no logging capability: the server sends no log notifications"),
+        ("completion-complete", "no completions: no prompts, and the resource template's arguments are free text"),
+        ("tools-call-*", "calls the test server's tools (test_simple_text, test_image_content, ...)"),
+        ("json-schema-2020-12", "lists the test server's json_schema_2020_12_tool"),
+        ("elicitation-sep1034-defaults, elicitation-sep1330-enums", "the test server's elicitation tools"),
+        ("server-sse-polling", "calls the test server's test_reconnection tool"),
+        (
+            "resources-read-text, resources-read-binary, resources-templates-read",
+            "read test://static-text, test://static-binary, test://template/123/data: the test server's resources",
+        ),
+        (
+            "resources-subscribe, resources-unsubscribe",
+            "subscribe to test://watched-resource, the test server's; this server refuses a URI that is not one of its \
+             prism:// resources (invalid_request), and tests/mcp.rs subscribes to its own with the SDK",
+        ),
+        ("prompts-*", "no prompts capability"),
+    ];
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "mcp-conformance").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let out = std::process::Command::new(support::repo_root().join("scripts/mcp-conformance"))
+        .output()
+        .expect("run scripts/mcp-conformance");
+    assert!(out.status.success(), "scripts/mcp-conformance: {}", String::from_utf8_lossy(&out.stderr));
+    let paths = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut lines = paths.lines();
+    let (node, runner) = (lines.next().expect("node"), lines.next().expect("runner"));
+    let preload = support::repo_root().join("tests/mcp/conformance-token.cjs");
+    // The runner's DNS-rebinding scenario needs a loopback URL by name.
+    let url = mcp_url(&op).replace("127.0.0.1", "localhost");
+    for scenario in APPLY {
+        let dir = std::env::temp_dir().join(format!("prism-conformance-{}", uuid::Uuid::new_v4()));
+        let run = tokio::process::Command::new(node)
+            .arg("--require")
+            .arg(&preload)
+            .arg(runner)
+            .args(["server", "--url", &url, "--scenario", scenario, "-o"])
+            .arg(&dir)
+            .env("PRISM_TOKEN", &token)
+            .kill_on_drop(true)
+            .output();
+        let run = tokio::time::timeout(Duration::from_secs(120), run).await.expect("the runner finishes").expect("run");
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        let checks = conformance_checks(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(!checks.is_empty(), "{scenario}: no checks recorded\n{stdout}{}", String::from_utf8_lossy(&run.stderr));
+        for check in &checks {
+            // INFO: what the runner saw (the server's name, a request); no verdict.
+            assert!(matches!(check["status"].as_str(), Some("SUCCESS" | "INFO")), "{scenario}: {check:#}\n{stdout}");
+        }
+        assert!(run.status.success(), "{scenario}: the runner failed\n{stdout}");
+        println!("conformance {scenario}: {} checks, all SUCCESS", checks.len());
+    }
+    for (scenarios, why) in NOT_APPLICABLE {
+        println!("conformance {scenarios}: not applicable ({why})");
+    }
+}
+
+/// Every check result the runner wrote under `dir` (its `checks.json` per scenario).
+fn conformance_checks(dir: &std::path::Path) -> Vec<Value> {
+    let mut checks = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(d) = pending.pop() {
+        for entry in std::fs::read_dir(&d).expect("read results").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.file_name().is_some_and(|n| n == "checks.json") {
+                let text = std::fs::read_to_string(&path).expect("checks.json");
+                let parsed: Value = serde_json::from_str(&text).expect("checks JSON");
+                checks.extend(parsed.as_array().cloned().unwrap_or_default());
+            }
+        }
+    }
+    checks
+}
