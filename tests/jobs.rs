@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use prism_operator::run_client::RunClient;
+use prism_operator::run_client::{ClientError, RunClient};
 use serde_json::{Value, json};
 use support::{eventually, http};
 
@@ -106,7 +106,7 @@ async fn complete(run: &RunClient, id: &str, body: Value) -> Result<Value, (u16,
     let id = uuid::Uuid::parse_str(id).expect("uuid");
     match run.step(&id, "complete", Some(body)).await {
         Ok(job) => Ok(serde_json::to_value(job).expect("job json")),
-        Err(prism_operator::run_client::ClientError::Refused { status, code, .. }) => Err((status, code)),
+        Err(ClientError::Refused { status, code, .. }) => Err((status, code)),
         Err(e) => panic!("complete: {e}"),
     }
 }
@@ -797,5 +797,141 @@ async fn a_waiting_claim_survives_a_lost_listener_and_ends_when_its_replica_stop
     while w.op.exited().is_none() {
         assert!(Instant::now() < deadline, "still running 10 s after SIGTERM:\n{}", w.op.logs());
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// SPEC §10/§11: `kill -9` of the replica that Runs long-poll on and an agent watches:
+/// each client resumes on the other replica (the Runs' session tokens and the watch's
+/// `Last-Event-ID` are good there), every job queued before, during and after the kill
+/// is done exactly once, and none reaches a Run twice — a job whose claim the dead
+/// replica committed but never answered comes back after its deadline.
+#[tokio::test]
+async fn a_replica_killed_while_claims_and_a_watch_wait_on_it_loses_nothing() {
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let mut w = World::start("jobs-kill-waiting", &[]).await;
+    let env = [("REDIS_URL", w.redis.url.as_str()), ("PRISM_REDIS_PREFIX", w.prefix.as_str())];
+    let other = support::Operator::start(w.cp, &w.db.url, &w.ns, &env).await;
+    let p = Platform::new(&w);
+    let survivor = Platform { base: other.base.clone(), ns: w.ns.clone(), token: p.token.clone() };
+    let received = Arc::new(Mutex::new(Vec::<String>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut runs = Vec::new();
+    for i in 0..4 {
+        let mut run = started_run(&w, &format!("run-{i}"), &format!("srv-{i}")).await;
+        let (received, stop, fallback) = (received.clone(), stop.clone(), other.base.clone());
+        runs.push(tokio::spawn(async move {
+            let mut moved = false;
+            while !stop.load(Ordering::SeqCst) {
+                match run.claim_waiting(1, 3).await {
+                    Ok(claimed) => {
+                        for job in claimed.jobs {
+                            received.lock().expect("lock").push(job.id.to_string());
+                            let done = json!({"outcome": "succeeded"});
+                            if run.step(&job.id, "complete", Some(done.clone())).await.is_err() {
+                                run.set_base(&fallback);
+                                moved = true;
+                                match run.step(&job.id, "complete", Some(done)).await {
+                                    Ok(_) => {}
+                                    // The dead replica committed the first try and was
+                                    // killed before it answered: done already.
+                                    Err(ClientError::Refused { code, .. }) if code == "job_finished" => {}
+                                    Err(e) => panic!("complete on the survivor: {e}"),
+                                }
+                            }
+                        }
+                    }
+                    // The replica is gone: the same session, on the other one.
+                    Err(_) if !moved => {
+                        run.set_base(&fallback);
+                        moved = true;
+                    }
+                    Err(e) => panic!("a claim on the survivor failed: {e}"),
+                }
+                let _ = run.heartbeat().await;
+            }
+            moved
+        }));
+    }
+    // An agent watches a project on the replica about to die.
+    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "delete", "get", "list"]);
+    support::register(&w.op, &agent, &w.ns, "p-kill", "s-1", "claude_code").await;
+    let watch_url = |base: &str| format!("{base}/api/v1/controller/p-kill/watch?namespace={}", w.ns);
+    let mut stream = http().get(watch_url(&w.op.base)).bearer_auth(&agent).send().await.expect("watch");
+    let (first_id, _) = next_routing(&mut stream).await.expect("the snapshot");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+
+    let timeout = json!({"timeout_seconds": 4});
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(id_of(&survivor.queued(&format!("srv-{i}"), "config", timeout.clone()).await));
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    for i in 0..4 {
+        ids.push(id_of(&survivor.queued(&format!("srv-{i}"), "config", timeout.clone()).await));
+    }
+    w.op.kill();
+    for i in 0..4 {
+        ids.push(id_of(&survivor.queued(&format!("srv-{i}"), "config", timeout.clone()).await));
+    }
+
+    // The watch: its stream is cut; resumed on the survivor with its last id, it is told
+    // of the next change (a second session joining) and of nothing it had seen.
+    assert!(next_routing(&mut stream).await.is_none(), "the dead replica's stream ends");
+    let resumed = http()
+        .get(watch_url(&other.base))
+        .bearer_auth(&agent)
+        .header("Last-Event-ID", &first_id)
+        .send()
+        .await
+        .expect("watch again");
+    let mut resumed = resumed;
+    support::register(&other, &agent, &w.ns, "p-kill", "s-2", "codex").await;
+    let (next_id, table) = next_routing(&mut resumed).await.expect("the change, on the survivor");
+    assert_ne!(next_id, first_id, "resumed after the event it had: no snapshot again");
+    assert_eq!(table["peers"].as_array().map(Vec::len), Some(1), "{table:#}");
+
+    let all: HashSet<String> = ids.iter().cloned().collect();
+    eventually(60, "every job done", || async {
+        let done = received.lock().expect("lock").iter().cloned().collect::<HashSet<_>>();
+        (done == all).then_some(())
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    for run in runs {
+        assert!(run.await.expect("run task"), "every Run moved to the survivor");
+    }
+    let got = received.lock().expect("lock").clone();
+    assert_eq!(got.len(), all.len(), "no job reached a Run twice: {got:?}");
+    let mut again = 0;
+    for id in &ids {
+        let job = survivor.job(id).await;
+        assert_eq!(job["state"], "succeeded", "{job:#}");
+        assert!(job["attempts"].as_i64().is_some_and(|a| (1..=2).contains(&a)), "{job:#}");
+        again += usize::from(job["attempts"] == 2);
+    }
+    println!("{} jobs done once each; {again} after a claim the killed replica never answered", ids.len());
+}
+
+/// The next `routing` event of a watch (id, table), or None when the stream ends first
+/// (or in 10 s): the SSE framing read by hand (`event:`, `id:`, `data:` lines).
+async fn next_routing(stream: &mut reqwest::Response) -> Option<(String, Value)> {
+    let mut buffer = String::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        while let Some(end) = buffer.find("\n\n") {
+            let frame: String = buffer.drain(..end + 2).collect();
+            let field =
+                |name: &str| frame.lines().find_map(|l| l.strip_prefix(name).map(|v| v.trim_start().to_string()));
+            if field("event:").as_deref() == Some("routing") {
+                let data = serde_json::from_str(&field("data:")?).ok()?;
+                return Some((field("id:")?, data));
+            }
+        }
+        match tokio::time::timeout_at(deadline, stream.chunk()).await {
+            Ok(Ok(Some(chunk))) => buffer.push_str(&String::from_utf8_lossy(&chunk)),
+            _ => return None,
+        }
     }
 }
