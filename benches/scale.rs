@@ -242,41 +242,18 @@ async fn start_runs(
     extra: usize,
     served: &Arc<Served>,
 ) -> (Tasks, Vec<RunClient>) {
-    let keys: Vec<(usize, ed25519_dalek::SigningKey)> = futures::stream::iter(0..n + extra)
-        .map(|i| async move {
-            let name = format!("r{i:05}");
-            (i, support::create_run_session(api, &name, &name, None).await)
-        })
-        .buffer_unordered(32)
-        .collect()
-        .await;
+    let names: Vec<String> = (0..n + extra).map(|i| format!("r{i:05}")).collect();
     let tasks = Mutex::new(Tasks(Vec::new()));
-    let mut extras: Vec<(usize, RunClient)> = futures::stream::iter(keys)
-        .map(|(i, key)| {
-            let tasks = &tasks;
-            async move {
-                let name = format!("r{i:05}");
-                let mut run = RunClient::new(base, &name, "run", 1, key).with_http(http.clone());
-                // The identity is mirrored by the reconciler: retry until it is known.
-                let deadline = Instant::now() + Duration::from_secs(300);
-                while let Err(e) = run.hello().await {
-                    assert!(Instant::now() < deadline, "hello of {name} never succeeded: {e}");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                if i < n {
-                    let task = tokio::spawn(heartbeat_run(run, i, n, served.clone())).abort_handle();
-                    tasks.lock().unwrap_or_else(|e| e.into_inner()).0.push(task);
-                    return None;
-                }
-                Some((i, run))
-            }
-        })
-        .buffer_unordered(32)
-        .filter_map(std::future::ready)
-        .collect()
-        .await;
-    extras.sort_by_key(|(i, _)| *i);
-    (tasks.into_inner().unwrap_or_else(|e| e.into_inner()), extras.into_iter().map(|(_, r)| r).collect())
+    let extras = common::runs::said_hello(api, base, http, &names, |i, run| {
+        if i < n {
+            let task = tokio::spawn(heartbeat_run(run, i, n, served.clone())).abort_handle();
+            tasks.lock().unwrap_or_else(|e| e.into_inner()).0.push(task);
+            return None;
+        }
+        Some(run)
+    })
+    .await;
+    (tasks.into_inner().unwrap_or_else(|e| e.into_inner()), extras)
 }
 
 /// A Run's life: heartbeat every `heartbeat_interval_seconds` (the operator's answer),

@@ -914,24 +914,8 @@ async fn a_replica_killed_while_claims_and_a_watch_wait_on_it_loses_nothing() {
     println!("{} jobs done once each; {again} after a claim the killed replica never answered", ids.len());
 }
 
-/// The next `routing` event of a watch (id, table), or None when the stream ends first
-/// (or in 10 s): the SSE framing read by hand (`event:`, `id:`, `data:` lines).
+/// The next `routing` event of a watch: its id and the table.
 async fn next_routing(stream: &mut reqwest::Response) -> Option<(String, Value)> {
-    let mut buffer = String::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        while let Some(end) = buffer.find("\n\n") {
-            let frame: String = buffer.drain(..end + 2).collect();
-            let field =
-                |name: &str| frame.lines().find_map(|l| l.strip_prefix(name).map(|v| v.trim_start().to_string()));
-            if field("event:").as_deref() == Some("routing") {
-                let data = serde_json::from_str(&field("data:")?).ok()?;
-                return Some((field("id:")?, data));
-            }
-        }
-        match tokio::time::timeout_at(deadline, stream.chunk()).await {
-            Ok(Ok(Some(chunk))) => buffer.push_str(&String::from_utf8_lossy(&chunk)),
-            _ => return None,
-        }
-    }
+    let (id, table) = support::next_sse(stream, "routing").await?;
+    Some((id?, table))
 }

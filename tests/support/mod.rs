@@ -1132,3 +1132,26 @@ pub async fn register(
     assert_eq!(r.status(), 200, "register {session} on {project}");
     r.json().await.expect("json")
 }
+
+/// The next Server-Sent Event named `event` of a response being read (its `id` and its
+/// `data` as JSON), or None when the stream ends first or in 10 s. The framing is read by
+/// hand (`event:`, `id:`, `data:` lines), as a client in any language would.
+pub async fn next_sse(stream: &mut reqwest::Response, event: &str) -> Option<(Option<String>, serde_json::Value)> {
+    let mut buffer = String::new();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        while let Some(end) = buffer.find("\n\n") {
+            let frame: String = buffer.drain(..end + 2).collect();
+            let field =
+                |name: &str| frame.lines().find_map(|l| l.strip_prefix(name).map(|v| v.trim_start().to_string()));
+            if field("event:").as_deref() == Some(event) {
+                let data = serde_json::from_str(&field("data:")?).ok()?;
+                return Some((field("id:"), data));
+            }
+        }
+        match tokio::time::timeout_at(deadline, stream.chunk()).await {
+            Ok(Ok(Some(chunk))) => buffer.push_str(&String::from_utf8_lossy(&chunk)),
+            _ => return None,
+        }
+    }
+}
