@@ -58,6 +58,15 @@ async fn session_row(
     .expect("session row")
 }
 
+/// Two replicas (leader election on, pods `<pod>-a` and `<pod>-b`) on one database.
+async fn two_replicas(db: &TestDb, ns: &str, pod: &str) -> (Operator, Operator) {
+    let cp = control_plane();
+    let start = |name: String| async move {
+        Operator::start(cp, &db.url, ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", &name)]).await
+    };
+    (start(format!("{pod}-a")).await, start(format!("{pod}-b")).await)
+}
+
 fn mcp_url(op: &Operator) -> String {
     op.url("/mcp")
 }
@@ -358,12 +367,7 @@ async fn two_replicas_answer_one_client_alternately() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-ha").await;
     let db = TestDb::new().await;
-    let start = |pod: &'static str| {
-        let db_url = db.url.clone();
-        let ns = ns.clone();
-        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
-    };
-    let (a, b) = (start("mcp-replica-a").await, start("mcp-replica-b").await);
+    let (a, b) = two_replicas(&db, &ns, "mcp-replica").await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
     let urls = format!("{},{}", mcp_url(&a), mcp_url(&b));
     for (i, mode) in MODES.into_iter().enumerate() {
@@ -489,12 +493,7 @@ async fn the_routing_table_is_a_resource_and_its_changes_are_notified() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-res").await;
     let db = TestDb::new().await;
-    let start = |pod: &'static str| {
-        let db_url = db.url.clone();
-        let ns = ns.clone();
-        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
-    };
-    let (a, b) = (start("mcp-res-a").await, start("mcp-res-b").await);
+    let (a, b) = two_replicas(&db, &ns, "mcp-res").await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
     // May watch registrations, not list them: no read of a routing table.
     let outsider = support::agent_token(cp, &ns, "outsider", &["watch"]);

@@ -281,17 +281,26 @@ pub fn writes_since(after: &BTreeMap<String, f64>, before: &BTreeMap<String, f64
         .collect()
 }
 
-/// Peak resident set size (VmHWM) of a process in MiB; NaN when it cannot be read (the
+/// A memory figure of /proc/<pid>/status in MiB; NaN when it cannot be read (the
 /// process is gone).
-pub fn peak_rss_mib(pid: u32) -> f64 {
+fn status_mib(pid: u32, field: &str) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.strip_prefix(field).is_some_and(|rest| rest.starts_with(':')))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|kb| kb.parse::<f64>().ok())
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(f64::NAN)
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+/// Peak resident set size (VmHWM) of a process in MiB.
+pub fn peak_rss_mib(pid: u32) -> f64 {
+    status_mib(pid, "VmHWM")
+}
+
+/// Resident set size now (VmRSS) of a process in MiB.
+pub fn rss_mib(pid: u32) -> f64 {
+    status_mib(pid, "VmRSS")
 }
 
 /// User + system CPU seconds of a process (0 when it cannot be read).
