@@ -269,8 +269,14 @@ async fn rewrite_refusal(response: Response, id: Option<RequestId>) -> Response 
     if response.status() != StatusCode::UNSUPPORTED_MEDIA_TYPE {
         return response;
     }
-    let detail = axum::body::to_bytes(response.into_body(), 4096).await.unwrap_or_default();
-    *invalid_message(id, &String::from_utf8_lossy(&detail))
+    let detail = match axum::body::to_bytes(response.into_body(), 4096).await {
+        Ok(detail) => String::from_utf8_lossy(&detail).into_owned(),
+        Err(error) => {
+            tracing::warn!(%error, "mcp: the SDK's 415 answer could not be read; answering without its detail");
+            "unsupported media type".to_string()
+        }
+    };
+    *invalid_message(id, &detail)
 }
 
 /// `result.protocolVersion` of an `initialize` answer.

@@ -31,6 +31,7 @@ use tracing::{debug, warn};
 use super::SessionFacts;
 use super::resources::{Changes, Follower, MAX_FOLLOWED, ProjectUri, any_woken};
 use crate::api::agents::RESOURCE;
+use crate::api::auth::Caller;
 use crate::api::watch::{KEEPALIVE, RECHECK_EVERY, stopped};
 use crate::api::{ApiError, AppState};
 use crate::db::{QueryError, Step};
@@ -160,12 +161,12 @@ impl Subscriptions {
 /// `resources/subscribe`: authorized as status, then kept for the session.
 pub async fn subscribe(
     state: &AppState,
-    follower: &Follower,
+    caller: &Caller,
     session: Option<&SessionFacts>,
     uri: &str,
 ) -> Result<(), ApiError> {
     let project = ProjectUri::parse(uri)?;
-    state.auth.authorize(&follower.caller, "list", RESOURCE, &project.0.namespace).await?;
+    state.auth.authorize(caller, "list", RESOURCE, &project.0.namespace).await?;
     let session = session.ok_or_else(no_session)?;
     if !state.mcp.subscriptions.subscribe(session, uri, &project).await? {
         return Err(ApiError::quota_exceeded(format!(

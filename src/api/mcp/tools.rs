@@ -830,15 +830,8 @@ impl ServerHandler for PrismTools {
         context: RequestContext<RoleServer>,
     ) -> Result<(), ErrorData> {
         let (caller, parts) = authenticated(&context)?;
-        let follower = Follower {
-            caller: caller.clone(),
-            headers: crate::api::watch::auth_headers(&parts.headers),
-            peer: peer_of(parts),
-        };
         let session = parts.extensions.get::<SessionFacts>();
-        subscriptions::subscribe(&self.state, &follower, session, &request.uri)
-            .await
-            .map_err(|e| resources::rpc_error(&e))
+        subscriptions::subscribe(&self.state, caller, session, &request.uri).await.map_err(|e| resources::rpc_error(&e))
     }
 
     #[allow(deprecated)]
