@@ -7,11 +7,11 @@ anything, row counts unchanged or not.
     ...                                  # the request
     changes = diff(snap, Durable().snapshot(), recent_beats)
 
-A snapshot costs, on one Postgres connection, the WAL insert position (one statement:
-while it stands still nothing was written and the last snapshot's rows stand); when it
-moved, one REPEATABLE READ transaction: one statement that digests every table (md5 over
-its rows in primary-key order), and the rows of only those tables whose digest moved
-(the rows of the others are the ones already read). Beside it, one LIST per resource
+A snapshot costs, on one Postgres connection, one REPEATABLE READ transaction: its MVCC
+snapshot first (one statement: while it is the last one's, no transaction ended since and
+the last snapshot's rows stand); when it moved, one statement that digests every table
+(md5 over its rows in primary-key order), and the rows of only those tables whose digest
+moved (the rows of the others are the ones already read). Beside it, one LIST per resource
 type (metadata only), each in a thread of its own on a kept-alive HTTPS connection to the
 API server, decoded only when its bytes changed. About 8 ms while nothing moves. Tables
 and columns are read from the catalogue at every full read, so a table or column that a
@@ -170,7 +170,7 @@ class Durable:
         self.database_url = database_url or os.environ["DATABASE_URL"]
         self.kube = Kube(kubeconfig or os.environ["KUBECONFIG"])
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(RESOURCES))
-        self._last = None  # (WAL insert position, the snapshot's table part) of the last read
+        self._last = None  # (MVCC snapshot, the snapshot's table part) of the last read
         self.conn: psycopg.Connection | None = None
         # table -> (digest, rows) of the last snapshot: rows are re-read only when the
         # digest moved.
@@ -219,44 +219,46 @@ class Durable:
 
     def _tables_snapshot(self):
         conn = self._connect()
-        # Postgres writes WAL for every change of a (logged) table: if its insert position
-        # has not moved since the last snapshot, that snapshot's rows are today's, and the
-        # digests need not be computed again. Read before the transaction's snapshot is
-        # taken, so that the rows read are at least as new as the position.
-        lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
-        if self._last is not None and self._last[0] == lsn:
-            _, mono, db_now, digests, counts, rows = self._last
-            now = time.monotonic()
-            return now, db_now + (now - mono), digests, counts, rows
-        result = self._read_tables(conn)
-        self._last = (lsn, *result)
-        return result
-
-    def _read_tables(self, conn):
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            tables = self._tables(cur)
-            parts = [
-                f"""SELECT '{t}', count(*), md5(coalesce(string_agg(md5(to_jsonb(t)::text), '' ORDER BY {self._key(pk)}), ''))
-                    FROM "{t}" t"""
-                for t, pk in tables.items()
-            ]
-            cur.execute(" UNION ALL ".join(parts) + " UNION ALL SELECT '', 0, extract(epoch FROM now())::text")
-            digests, counts, db_now = {}, {}, 0.0
-            for t, n, d in cur.fetchall():
-                if t == "":
-                    db_now = float(d)
-                else:
-                    digests[t], counts[t] = d, n
-            taken_at = time.monotonic()
-            rows = {}
-            for t, pk in tables.items():
-                cached = self.cache.get(t)
-                if cached is None or cached[0] != digests[t]:
-                    cur.execute(f'SELECT {self._key(pk)}, to_jsonb(t) FROM "{t}" t')
-                    cached = (digests[t], {k: r for k, r in cur.fetchall()})
-                    self.cache[t] = cached
-                rows[t] = cached[1]
+            # The transaction's own MVCC snapshot (which transactions it sees): if it is the
+            # last one's, so are the rows, and the digests need not be computed again. Not
+            # the WAL insert position: a commit's record is in the WAL while it fsyncs,
+            # before the commit is visible, so a read in that window would have kept rows
+            # without it for as long as nothing else wrote (a heartbeat seen seconds late).
+            cur.execute("SELECT pg_current_snapshot()::text")
+            seen = cur.fetchone()[0]
+            if self._last is not None and self._last[0] == seen:
+                _, mono, db_now, digests, counts, rows = self._last
+                now = time.monotonic()
+                return now, db_now + (now - mono), digests, counts, rows
+            result = self._read_tables(cur)
+        self._last = (seen, *result)
+        return result
+
+    def _read_tables(self, cur):
+        tables = self._tables(cur)
+        parts = [
+            f"""SELECT '{t}', count(*), md5(coalesce(string_agg(md5(to_jsonb(t)::text), '' ORDER BY {self._key(pk)}), ''))
+                FROM "{t}" t"""
+            for t, pk in tables.items()
+        ]
+        cur.execute(" UNION ALL ".join(parts) + " UNION ALL SELECT '', 0, extract(epoch FROM now())::text")
+        digests, counts, db_now = {}, {}, 0.0
+        for t, n, d in cur.fetchall():
+            if t == "":
+                db_now = float(d)
+            else:
+                digests[t], counts[t] = d, n
+        taken_at = time.monotonic()
+        rows = {}
+        for t, pk in tables.items():
+            cached = self.cache.get(t)
+            if cached is None or cached[0] != digests[t]:
+                cur.execute(f'SELECT {self._key(pk)}, to_jsonb(t) FROM "{t}" t')
+                cached = (digests[t], {k: r for k, r in cur.fetchall()})
+                self.cache[t] = cached
+            rows[t] = cached[1]
         return taken_at, db_now, digests, counts, rows
 
 
