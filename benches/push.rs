@@ -6,6 +6,8 @@
 //!     (`wait_seconds` 0), jobs queued at random to each side at the same rate; and each
 //!     side's claim requests per second. Goal: the long-poll side's p99 <= 50 ms (the
 //!     polling side's is about 1 s) at <= 1/20 of the polling side's requests per second.
+//!     Then as many windows with the polling side paused (heartbeats only) and jobs for
+//!     the long-poll side alone: its p99 without the other fleet on the same two cores.
 //! (b) preemption commit → event, over `BENCH_PUSH_PREEMPTIONS` (50) preemptions (rounds of 10): the
 //!     project's watch (SSE) against a Kubernetes watch of the preempted master's
 //!     ControllerRegistration (its status turning Peer: the API server's own push).
@@ -13,6 +15,9 @@
 //! (c) idle cost: the operator's RSS and CPU with `BENCH_PUSH_CLAIMS` (10,000) waiting
 //!     claims and `BENCH_PUSH_WATCHES` (1,000) open watches, all idle, against the same
 //!     operator just before they opened. Goal: <= 32 MiB more, <= 0.02 CPU s/s.
+//! (c') the floor of (c): the same held requests on a bare axum server (this binary started
+//!     again with `PRISM_BENCH_BARE_SERVER`: `axum::serve`, a handler that sleeps, an SSE
+//!     stream with the same keepalive), and the KiB per held request of each.
 //!
 //! Each figure of (a) is the median of `BENCH_ROUNDS` (>= 5) windows with its min-max
 //! (benches/common/measure.rs), both sides measured in every window.
@@ -30,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use common::counts::{cpu_seconds, rss_mib};
 use common::measure::{Target, judged, percentile, rounds, spread};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use kube::Api;
 use kube::runtime::watcher;
 use prism_operator::crd::{ControllerRegistration, Role, RunSession};
@@ -83,6 +88,7 @@ async fn run_loop(
     phase: Duration,
     window: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
+    paused: Arc<AtomicBool>,
 ) {
     // Polling Runs are spread over their second, as independent machines are.
     tokio::time::sleep(phase).await;
@@ -92,6 +98,13 @@ async fn run_loop(
     while !stop.load(Ordering::Relaxed) {
         if wait == 0 {
             tick.tick().await;
+            // Paused (the long-poll side's windows alone): heartbeats only.
+            if paused.load(Ordering::Relaxed) {
+                if beat.tick().now_or_never().is_some() {
+                    let _ = run.heartbeat().await;
+                }
+                continue;
+            }
         }
         side.claims.fetch_add(1, Ordering::Relaxed);
         let claimed = {
@@ -134,6 +147,9 @@ async fn run_loop(
 
 #[tokio::main]
 async fn main() {
+    if std::env::var_os(BARE_SERVER).is_some() {
+        return bare_server().await;
+    }
     let n_runs = setting("BENCH_PUSH_RUNS", 1000);
     let n_preemptions = setting("BENCH_PUSH_PREEMPTIONS", 50);
     let n_claims = setting("BENCH_PUSH_CLAIMS", 10_000);
@@ -172,12 +188,13 @@ async fn main() {
     let (waiting, polling) = (Side::new(), Side::new());
     let window = Arc::new(AtomicU64::new(u64::MAX));
     let stop = Arc::new(AtomicBool::new(false));
+    let paused = Arc::new(AtomicBool::new(false));
     let tasks = Mutex::new(Vec::new());
     // Each Run starts the moment its hello passed: the hellos of all take longer than a lease.
     common::runs::said_hello(&api, &op.base, &http, &names, |i, run| {
         let (side, wait) = if i < n_runs { (waiting.clone(), 60) } else { (polling.clone(), 0) };
         let phase = Duration::from_millis((i % n_runs) as u64 * 1000 / n_runs as u64);
-        let task = tokio::spawn(run_loop(run, side, wait, phase, window.clone(), stop.clone()));
+        let task = tokio::spawn(run_loop(run, side, wait, phase, window.clone(), stop.clone(), paused.clone()));
         tasks.lock().unwrap_or_else(|e| e.into_inner()).push(task);
         None
     })
@@ -191,7 +208,15 @@ async fn main() {
     let window_seconds = 12.0;
     let mut k = 0u64;
     let mut claim_rates = (Vec::new(), Vec::new());
-    for w in 0..rounds() {
+    // Windows 0..rounds(): both sides at once. Then as many with the polling side paused
+    // (it only heartbeats) and jobs for the long-poll side alone: the same Runs without
+    // the polling side's 1,000 claims/s on the same two cores.
+    for w in 0..2 * rounds() {
+        let alone = w >= rounds();
+        if alone && w == rounds() {
+            paused.store(true, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
         window.store(w as u64, Ordering::Relaxed);
         let claims_before = (waiting.claims.load(Ordering::Relaxed), polling.claims.load(Ordering::Relaxed));
         let started = Instant::now();
@@ -201,6 +226,9 @@ async fn main() {
             tokio::time::sleep_until(next.into()).await;
             k += 1;
             let to_waiting = k.is_multiple_of(2);
+            if alone && !to_waiting {
+                continue;
+            }
             let (side, offset) = if to_waiting { (&waiting, 0) } else { (&polling, n_runs) };
             // A Run of the side picked at random (a multiplicative hash of the job's number).
             let pick = (k.wrapping_mul(2_654_435_761) >> 7) as usize % n_runs;
@@ -214,39 +242,47 @@ async fn main() {
                 assert!(r.is_ok_and(|r| r.status() == 201), "enqueue refused");
             });
         }
-        let took = started.elapsed().as_secs_f64();
-        claim_rates.0.push((waiting.claims.load(Ordering::Relaxed) - claims_before.0) as f64 / took);
-        claim_rates.1.push((polling.claims.load(Ordering::Relaxed) - claims_before.1) as f64 / took);
+        if !alone {
+            let took = started.elapsed().as_secs_f64();
+            claim_rates.0.push((waiting.claims.load(Ordering::Relaxed) - claims_before.0) as f64 / took);
+            claim_rates.1.push((polling.claims.load(Ordering::Relaxed) - claims_before.1) as f64 / took);
+        }
     }
     // The last jobs reach their Runs (a polling Run asks within a second).
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let p99_by_window = |side: &Side| -> Vec<f64> {
+    let p99_by_window = |side: &Side, windows: std::ops::Range<usize>| -> Vec<f64> {
         let got = side.got.lock().unwrap_or_else(|e| e.into_inner());
-        (0..rounds())
+        windows
             .map(|w| percentile(&got.iter().filter(|(g, _)| *g == w).map(|(_, ms)| *ms).collect::<Vec<_>>(), 0.99))
             .collect()
     };
-    let p50_all = |side: &Side| -> f64 {
+    let p50_all = |side: &Side, windows: std::ops::Range<usize>| -> f64 {
         let got = side.got.lock().unwrap_or_else(|e| e.into_inner());
-        percentile(&got.iter().map(|(_, ms)| *ms).collect::<Vec<_>>(), 0.5)
+        percentile(&got.iter().filter(|(g, _)| windows.contains(g)).map(|(_, ms)| *ms).collect::<Vec<_>>(), 0.5)
     };
     let lost = |side: &Side, before: u64| {
         let lost = side.sent.lock().unwrap_or_else(|e| e.into_inner()).len();
         format!("not received {lost}, failed claims {}", side.errors.load(Ordering::Relaxed) - before)
     };
-    let (wp99, pp99) = (p99_by_window(&waiting), p99_by_window(&polling));
+    let (mixed, alone) = (0..rounds(), rounds()..2 * rounds());
+    let (wp99, pp99) = (p99_by_window(&waiting, mixed.clone()), p99_by_window(&polling, mixed.clone()));
     println!("(a) enqueue → in the Run's hands, {n_runs} Runs a side, {per_side_rate} jobs/s a side");
     println!(
         "    long poll p99 ms {}   (p50 {:.1} ms; {})",
         judged(&wp99, 1, Target::AtMost(50.0)),
-        p50_all(&waiting),
+        p50_all(&waiting, mixed.clone()),
         lost(&waiting, errors_before.0)
     );
     println!(
         "    polling   p99 ms {}   (p50 {:.1} ms; {})",
         spread(&pp99, 1),
-        p50_all(&polling),
+        p50_all(&polling, mixed.clone()),
         lost(&polling, errors_before.1)
+    );
+    println!(
+        "    long poll alone (the polling side paused) p99 ms {}   (p50 {:.1} ms)",
+        judged(&p99_by_window(&waiting, alone.clone()), 1, Target::AtMost(50.0)),
+        p50_all(&waiting, alone)
     );
     let request_ratio: Vec<f64> = claim_rates.0.iter().zip(&claim_rates.1).map(|(w, p)| w / p).collect();
     println!("    claim requests/s   long poll {}   polling {}", spread(&claim_rates.0, 1), spread(&claim_rates.1, 1));
@@ -345,8 +381,111 @@ async fn main() {
             }
         });
     }
-    // CPU in `rounds()` windows of 8 s each, without and then with the waiting claims and
-    // watches (all within the claims' 60 s wait); RSS once each.
+    // (a)'s Runs went silent: their leases end and their status turns Offline first.
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    let open_watch = |w: usize| {
+        let req =
+            http.get(op.url(&format!("/api/v1/controller/idle-{}/watch?namespace={ns}", w % 100))).bearer_auth(&agent);
+        async move { req.send().await.expect("watch") }
+    };
+    let open_claim = |c: usize| {
+        let idle = idle.clone();
+        tokio::spawn(async move {
+            let _ = idle[c % idle.len()].claim_waiting(1, 60).await;
+        })
+    };
+    let waiting = || gauge(&http, &op, "prism_runtime_claims_waiting");
+    let ours = held_cost(pid, n_claims, n_watches, open_watch, open_claim, waiting).await;
+    stop.store(true, Ordering::Relaxed);
+    println!(
+        "(c) idle cost, {n_claims} waiting claims + {n_watches} watches ({} still waiting after the windows)",
+        ours.still
+    );
+    ours.print(n_claims + n_watches);
+
+    // (c') the floor: the same held requests on a bare axum server (axum::serve, one
+    // handler that sleeps, one SSE stream with the same keepalive), a process of its own.
+    let bare = Bare::start();
+    let base = bare.base.clone();
+    let open_watch = |_: usize| {
+        let req = http.get(format!("{base}/watch"));
+        async move { req.send().await.expect("bare watch") }
+    };
+    let open_claim = |_: usize| {
+        let req = http.post(format!("{base}/claim")).json(&json!({"max": 1, "wait_seconds": 60}));
+        tokio::spawn(async move {
+            let _ = req.send().await;
+        })
+    };
+    let held = || async {
+        http.get(format!("{base}/held"))
+            .send()
+            .await
+            .expect("held")
+            .text()
+            .await
+            .unwrap_or_default()
+            .parse()
+            .unwrap_or(f64::NAN)
+    };
+    let floor = held_cost(bare.pid(), n_claims, n_watches, open_watch, open_claim, held).await;
+    println!("(c') the same on a bare axum server ({} still held after the windows)", floor.still);
+    floor.print(n_claims + n_watches);
+    let per = |c: &HeldCost| c.more_mib() * 1024.0 / (n_claims + n_watches) as f64;
+    println!(
+        "    per held request: prism-operator {:.1} KiB, bare axum {:.1} KiB, ratio {:.2}",
+        per(&ours),
+        per(&floor),
+        per(&ours) / per(&floor)
+    );
+}
+
+/// What holding requests costs a server process: RSS once and CPU in `rounds()` windows
+/// of 8 s, without and then with them (the watches opened first: they take longest; then
+/// the claims, so that every claim's 60 s wait spans all the windows).
+struct HeldCost {
+    rss_without: f64,
+    rss_with: f64,
+    cpu_without: Vec<f64>,
+    cpu_with: Vec<f64>,
+    still: f64,
+}
+
+impl HeldCost {
+    fn more_mib(&self) -> f64 {
+        self.rss_with - self.rss_without
+    }
+
+    fn print(&self, held: usize) {
+        let met = if Target::AtMost(32.0).met_by(self.more_mib()) { "met" } else { "NOT met" };
+        println!(
+            "    RSS MiB   without {:.1}   with {:.1}   more {:.1} ({:.1} KiB per held request)   target <= 32: {met}",
+            self.rss_without,
+            self.rss_with,
+            self.more_mib(),
+            self.more_mib() * 1024.0 / held as f64
+        );
+        println!("    CPU s/s   without {}   with {}", spread(&self.cpu_without, 4), spread(&self.cpu_with, 4));
+        let more: Vec<f64> = self.cpu_with.iter().zip(&self.cpu_without).map(|(w, o)| w - o).collect();
+        println!("    CPU more, s/s {}", judged(&more, 4, Target::AtMost(0.02)));
+    }
+}
+
+async fn held_cost<W, WF, C, G, GF>(
+    pid: u32,
+    n_claims: usize,
+    n_watches: usize,
+    open_watch: W,
+    open_claim: C,
+    held: G,
+) -> HeldCost
+where
+    W: Fn(usize) -> WF,
+    WF: std::future::Future<Output = reqwest::Response>,
+    C: Fn(usize) -> tokio::task::JoinHandle<()>,
+    G: Fn() -> GF,
+    GF: std::future::Future<Output = f64>,
+{
     let slice = 8.0;
     let cpu_windows = |n: usize| async move {
         let mut out = Vec::new();
@@ -357,56 +496,101 @@ async fn main() {
         }
         out
     };
-    // (a)'s Runs went silent: their leases end and their status turns Offline first.
-    tokio::time::sleep(Duration::from_secs(40)).await;
     let cpu_without = cpu_windows(rounds()).await;
     let rss_without = rss_mib(pid);
-    // The watches first (they take longest to open), then the claims: every claim's
-    // 60 s wait then spans all the windows.
     let mut streams = Vec::new();
     for w in 0..n_watches {
-        let r = http
-            .get(op.url(&format!("/api/v1/controller/idle-{}/watch?namespace={ns}", w % 100)))
-            .bearer_auth(&agent)
-            .send()
-            .await
-            .expect("watch");
-        streams.push(r);
+        streams.push(open_watch(w).await);
     }
-    let mut held = Vec::new();
+    let mut claims = Vec::new();
     for c in 0..n_claims {
-        let idle = idle.clone();
-        held.push(tokio::spawn(async move { idle[c % idle.len()].claim_waiting(1, 60).await.is_ok() }));
+        claims.push(open_claim(c));
         if c % 500 == 499 {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
     let t = Instant::now();
-    while gauge(&http, &op, "prism_runtime_claims_waiting").await < n_claims as f64 {
-        assert!(t.elapsed() < Duration::from_secs(30), "the claims never all waited");
+    while held().await < n_claims as f64 {
+        assert!(t.elapsed() < Duration::from_secs(30), "the claims were never all held");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     // Idle: nothing queued, nothing changes.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let cpu_with = cpu_windows(rounds()).await;
     let rss_with = rss_mib(pid);
-    let still = gauge(&http, &op, "prism_runtime_claims_waiting").await;
+    let still = held().await;
     assert!(t.elapsed() < Duration::from_secs(58), "the windows outlasted the claims' wait");
-    println!(
-        "(c) idle cost, {n_claims} waiting claims + {n_watches} watches ({still} still waiting after {:.0} s of windows)",
-        rounds() as f64 * slice
-    );
-    let more_mib = rss_with - rss_without;
-    let met = if Target::AtMost(32.0).met_by(more_mib) { "met" } else { "NOT met" };
-    println!("    RSS MiB   without {rss_without:.1}   with {rss_with:.1}   more {more_mib:.1}   target <= 32: {met}");
-    println!("    CPU s/s   without {}   with {}", spread(&cpu_without, 4), spread(&cpu_with, 4));
-    let more_cpu: Vec<f64> = cpu_with.iter().zip(&cpu_without).map(|(w, o)| w - o).collect();
-    println!("    CPU more, s/s {}", judged(&more_cpu, 4, Target::AtMost(0.02)));
-    stop.store(true, Ordering::Relaxed);
     drop(streams);
-    for h in held {
-        h.abort();
+    for claim in claims {
+        claim.abort();
     }
+    HeldCost { rss_without, rss_with, cpu_without, cpu_with, still }
+}
+
+/// The baseline of (c'): this bench's own binary, started again as a bare axum server.
+struct Bare {
+    child: std::process::Child,
+    base: String,
+}
+
+const BARE_SERVER: &str = "PRISM_BENCH_BARE_SERVER";
+
+impl Bare {
+    fn start() -> Bare {
+        use std::io::BufRead;
+        let exe = std::env::current_exe().expect("the bench's own path");
+        let mut child = std::process::Command::new(exe)
+            .env(BARE_SERVER, "1")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("start the bare server");
+        let mut line = String::new();
+        let out = child.stdout.take().expect("its stdout");
+        std::io::BufReader::new(out).read_line(&mut line).expect("its port");
+        Bare { child, base: format!("http://127.0.0.1:{}", line.trim()) }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Bare {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The bare server: what any axum server holding a request costs, nothing of ours.
+async fn bare_server() {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    static HELD: AtomicU64 = AtomicU64::new(0);
+    let app = axum::Router::new()
+        .route(
+            "/claim",
+            axum::routing::post(|body: axum::body::Bytes| async move {
+                let ask: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                HELD.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_secs(ask["wait_seconds"].as_u64().unwrap_or(60))).await;
+                HELD.fetch_sub(1, Ordering::Relaxed);
+                axum::Json(json!({"jobs": [], "cancel": []}))
+            }),
+        )
+        .route(
+            "/watch",
+            axum::routing::get(|| async {
+                let first = futures::stream::once(async {
+                    Ok::<_, std::convert::Infallible>(Event::default().event("routing").data("{}"))
+                });
+                Sse::new(first.chain(futures::stream::pending()))
+                    .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+            }),
+        )
+        .route("/held", axum::routing::get(|| async { HELD.load(Ordering::Relaxed).to_string() }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    println!("{}", listener.local_addr().expect("its address").port());
+    axum::serve(listener, app).await.expect("serve");
 }
 
 /// The master's session of the watch's next `routing` event; None when the stream ends

@@ -175,15 +175,24 @@ impl Watch {
             if let Err(end) = self.deliver_nudges().await {
                 break end;
             }
-            tokio::select! {
-                _ = armed.woken() => {}
-                _ = recheck.tick() => {
-                    if let Err(refused) = self.recheck().await {
-                        break End::Because(refused);
+            // Only a change reads the table again: a recheck that passes goes back to
+            // waiting (an idle stream costs its recheck, not a read every 15 s).
+            let woken = armed.woken();
+            tokio::pin!(woken);
+            let ended = loop {
+                tokio::select! {
+                    _ = &mut woken => break None,
+                    _ = recheck.tick() => {
+                        if let Err(refused) = self.recheck().await {
+                            break Some(End::Because(refused));
+                        }
                     }
+                    _ = self.tx.closed() => break Some(End::Quietly),
+                    _ = stopped(&mut stopping) => break Some(End::Quietly),
                 }
-                _ = self.tx.closed() => break End::Quietly,
-                _ = stopped(&mut stopping) => break End::Quietly,
+            };
+            if let Some(end) = ended {
+                break end;
             }
         };
         if let End::Because(error) = end {

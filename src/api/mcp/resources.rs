@@ -262,11 +262,15 @@ pub async fn listen(state: Arc<AppState>, follower: Follower, context: Subscript
                 }
             }
         }
-        tokio::select! {
-            _ = woken => {}
-            _ = recheck.tick() => follower.recheck(&state, &namespaces).await.map_err(|e| rpc_error(&e))?,
-            _ = context.cancelled() => return Ok(()),
-            _ = stopped(&mut stopping) => return Ok(()),
+        // Only a change looks again; a recheck that passes goes back to waiting.
+        tokio::pin!(woken);
+        loop {
+            tokio::select! {
+                _ = &mut woken => break,
+                _ = recheck.tick() => follower.recheck(&state, &namespaces).await.map_err(|e| rpc_error(&e))?,
+                _ = context.cancelled() => return Ok(()),
+                _ = stopped(&mut stopping) => return Ok(()),
+            }
         }
     }
 }

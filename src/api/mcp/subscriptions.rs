@@ -246,21 +246,28 @@ impl SessionStream {
                         }
                     }
                 }
-                tokio::select! {
-                    _ = woken => {}
-                    _ = &mut resubscribed => break,
-                    _ = recheck.tick() => match self.recheck(&projects).await {
-                        None => return,
-                        // The revoked namespaces' subscriptions are gone: read the set again.
-                        Some(true) => break,
-                        Some(false) => {}
-                    },
-                    _ = renew.tick() => {
-                        renewing = true;
-                        break;
+                // Only a change looks again; a recheck that passes goes back to waiting.
+                tokio::pin!(woken);
+                let read_again = loop {
+                    tokio::select! {
+                        _ = &mut woken => break false,
+                        _ = &mut resubscribed => break true,
+                        _ = recheck.tick() => match self.recheck(&projects).await {
+                            None => return,
+                            // The revoked namespaces' subscriptions are gone: read the set again.
+                            Some(true) => break true,
+                            Some(false) => {}
+                        },
+                        _ = renew.tick() => {
+                            renewing = true;
+                            break true;
+                        }
+                        _ = self.tx.closed() => return,
+                        _ = stopped(&mut stopping) => return,
                     }
-                    _ = self.tx.closed() => return,
-                    _ = stopped(&mut stopping) => return,
+                };
+                if read_again {
+                    break;
                 }
             }
         }
