@@ -384,6 +384,7 @@ mod tests {
         let project: Check = |s| check_identifier("", s, 128).is_ok();
         let session: Check = |s| check_identifier("", s, 256).is_ok();
         let server: Check = server_instance_id_ok;
+        let reason: Check = |s| check_identifier("", s, 256).is_ok();
         let s = "/components/schemas";
         let pairs: Vec<(&str, &Value, Check)> = vec![
             ("RegisterBody.namespace", at(&format!("{s}/RegisterBody/properties/namespace")), ns),
@@ -416,6 +417,8 @@ mod tests {
                 param("/api/v1/runtime/servers/{server_instance_id}/status", "get", "server_instance_id"),
                 server,
             ),
+            ("CompleteBody.error", at(&format!("{s}/CompleteBody/properties/error")), crate::api::runs::job_error_ok),
+            ("CancelBody.reason", at(&format!("{s}/CancelBody/properties/reason")), reason),
             (
                 "RunHeartbeatBody.capabilities[]",
                 at(&format!("{s}/RunHeartbeatBody/properties/capabilities/items")),

@@ -778,8 +778,14 @@ pub struct CompleteBody {
     retryable: Option<bool>,
     /// What went wrong (kept as the job's `last_error`).
     #[serde(default)]
-    #[schema(min_length = 1, max_length = 1024)]
+    #[schema(min_length = 1, max_length = 1024, pattern = "^[^\\u0000]*$")]
     error: Option<String>,
+}
+
+/// A completion's `error`: 1 to 1024 characters, any but NUL (a stack trace keeps its
+/// lines; Postgres `text` cannot hold a NUL).
+pub fn job_error_ok(e: &str) -> bool {
+    !e.is_empty() && e.chars().count() <= MAX_ERROR_CHARS && !e.contains('\0')
 }
 
 impl CompleteBody {
@@ -793,7 +799,7 @@ impl CompleteBody {
         let result = b.result.unwrap_or(json!({}));
         check_jsonb("result", &result).map_err(|e| ApiError::invalid(e.0))?;
         if let Some(e) = &b.error
-            && (e.is_empty() || e.chars().count() > MAX_ERROR_CHARS || e.contains('\0'))
+            && !job_error_ok(e)
         {
             return Err(ApiError::invalid("error must be 1 to 1024 characters without NUL"));
         }
