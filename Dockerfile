@@ -3,7 +3,7 @@
 # Both bases are build arguments, so the same file builds where no registry is reachable:
 #   docker build --build-arg BUILD_IMAGE=<local rust image> \
 #                --build-arg RUNTIME_IMAGE=<local glibc + CA certificates base> .
-# (scripts/e2e makes such bases from Debian packages; see README "On a real cluster").
+# (scripts/e2e makes such bases from Debian packages; see docs/src/development/e2e.md).
 # The runtime base needs glibc (libc, libm, libgcc_s) and runs the binary as 65532.
 ARG BUILD_IMAGE=rust:1-bookworm
 ARG RUNTIME_IMAGE=gcr.io/distroless/cc-debian12:nonroot

@@ -30,7 +30,7 @@ Checks, on every answer:
                      `you_were_preempted` at the top of structuredContent (SPEC §9)
   schemas_valid      tools/list gives every tool a name and valid JSON Schemas
   host_before_token  a bad Host/Origin is 403, whatever the token (SPEC §9)
-  foreign_session    another identity's Mcp-Session-Id is 404 (README: never its facts)
+  foreign_session    another identity's Mcp-Session-Id is 404 (the MCP guide: never its facts)
   initialize         initialize gives a token the server takes an Mcp-Session-Id, and is
                      401 without a token
   tools_list         both generations list the same tools

@@ -8,7 +8,7 @@ revision) the official SDK joins a project as Claude Code (master), as Codex (pe
 Claude Desktop (preempts), calls again as Claude Code (told it was preempted), reads the
 status, wraps the desktop (the best peer is master at once) and wraps the rest. One line
 per step; exit 1 at the first step that is not what the user was promised.
-scripts/mcp-journey sets up the token the way the README tells a user to. An https URL is
+scripts/mcp-journey sets up the token the way the MCP guide (docs/src/guides/mcp.md) tells a user to. An https URL is
 checked against --ca-cert (default $PRISM_CA_CERT), as a user's client would.
 """
 

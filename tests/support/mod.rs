@@ -688,7 +688,7 @@ pub fn grant(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs
     bind(cp, namespace, &format!("{sa}-{resource}"), subject, resource, verbs, None);
 }
 
-/// The audience agents' tokens are made for, as the README says (SPEC §12).
+/// The audience agents' tokens are made for, as the MCP guide says (SPEC §12).
 pub const AGENT_AUDIENCE: &str = "prism-operator";
 /// The control plane's own audience (its ServiceAccount issuer): what a token made
 /// without `--audience`, and a person's static token, are valid for.
