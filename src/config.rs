@@ -486,10 +486,7 @@ impl RunArgs {
         if !prefix_ok {
             return Err(ConfigError::Malformed("PRISM_REDIS_PREFIX", "use 1-64 characters of [A-Za-z0-9._-]".into()));
         }
-        self.mcp_allowed_hosts()?;
-        self.mcp_session_key()?;
         self.audiences()?;
-        self.check_tls()?;
         Ok(())
     }
 
@@ -504,59 +501,6 @@ impl RunArgs {
             return Err(ConfigError::Malformed("PRISM_TOKEN_AUDIENCES", format!("{bad:?} is not an audience")));
         }
         Ok(audiences)
-    }
-
-    /// The rate limits of unauthenticated work.
-    pub fn limits(&self) -> crate::api::limits::Limits {
-        use crate::api::limits::Rate;
-        use std::num::NonZeroU32;
-        let rate = |per_second: u32, burst: u32| Rate {
-            per_second: NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN),
-            burst: NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN),
-        };
-        crate::api::limits::Limits::new(
-            rate(self.unauthenticated_rate, self.unauthenticated_burst),
-            rate(self.hello_rate, self.hello_burst),
-        )
-    }
-
-    pub fn mcp_allowed_hosts(&self) -> Result<crate::api::mcp::AllowedHosts, ConfigError> {
-        crate::api::mcp::AllowedHosts::parse(&self.mcp_allowed_hosts)
-            .map_err(|e| ConfigError::Malformed("PRISM_MCP_ALLOWED_HOSTS", e))
-    }
-
-    /// The configured session key, if one is configured.
-    pub fn mcp_session_key(&self) -> Result<Option<crate::api::mcp::SessionKey>, ConfigError> {
-        match self.mcp_session_key.as_deref() {
-            None => Ok(None),
-            Some(value) => crate::api::mcp::SessionKey::from_config(value).map(Some).ok_or_else(|| {
-                ConfigError::Malformed(
-                    "PRISM_MCP_SESSION_KEY",
-                    format!("use at least {} characters", crate::api::mcp::session::MIN_KEY_BYTES),
-                )
-            }),
-        }
-    }
-}
-
-impl RunArgs {
-    /// The API listener's certificate and key, when TLS is configured: both or neither.
-    pub fn tls_files(&self) -> Result<Option<crate::transport::CertFiles>, ConfigError> {
-        let set = |p: &Option<PathBuf>| p.clone().filter(|p| !p.as_os_str().is_empty());
-        match (set(&self.tls_cert_file), set(&self.tls_key_file)) {
-            (None, None) => Ok(None),
-            (Some(cert), Some(key)) => Ok(Some(crate::transport::CertFiles { cert, key })),
-            (Some(_), None) => Err(ConfigError::Unpaired("PRISM_TLS_CERT_FILE", "PRISM_TLS_KEY_FILE")),
-            (None, Some(_)) => Err(ConfigError::Unpaired("PRISM_TLS_KEY_FILE", "PRISM_TLS_CERT_FILE")),
-        }
-    }
-
-    /// Reads the pair as the listener will: readable, PEM, a key that fits the certificate.
-    fn check_tls(&self) -> Result<(), ConfigError> {
-        if let Some(files) = self.tls_files()? {
-            files.load().map_err(|e| ConfigError::Unusable(e.variable(), e.to_string()))?;
-        }
-        Ok(())
     }
 }
 
@@ -669,20 +613,6 @@ mod tests {
     }
 
     #[test]
-    fn mcp_settings_are_checked_at_start() {
-        let mut a = run_args(&["--database-url", "postgres://a@b/c", "--redis-url", "redis://x"]).unwrap();
-        a.mcp_allowed_hosts = vec!["prism.example.com".into(), "svc.ns.svc:8080".into()];
-        assert_eq!(a.validate(), Ok(()));
-        a.mcp_allowed_hosts = vec!["http://x/".into()];
-        assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_MCP_ALLOWED_HOSTS is malformed"));
-        a.mcp_allowed_hosts = vec!["*".into()];
-        a.mcp_session_key = Some("too short".into());
-        assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_MCP_SESSION_KEY is malformed"));
-        let parsed = run_args(&["--mcp-allowed-hosts", "a.example,b.example:80"]).unwrap();
-        assert_eq!(parsed.mcp_allowed_hosts, ["a.example", "b.example:80"]);
-    }
-
-    #[test]
     fn audiences_are_a_list_of_at_least_one() {
         let mut a = run_args(&["--database-url", "postgres://a@b/c", "--redis-url", "redis://x"]).unwrap();
         a.token_audiences = vec!["prism-operator".into(), " https://kubernetes.default.svc ".into()];
@@ -740,64 +670,5 @@ mod tests {
     fn redaction_hides_the_password_only() {
         assert_eq!(redact_url("postgres://prism:s3cret@db:5432/prism"), "postgres://prism:***@db:5432/prism");
         assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-    }
-}
-
-#[cfg(test)]
-mod transport_tests {
-    use super::*;
-
-    fn run_args(args: &[&str]) -> RunArgs {
-        let mut argv = vec!["prism-operator", "run", "--database-url", "postgres://a@b/c", "--redis-url", "redis://x"];
-        argv.extend_from_slice(args);
-        match Cli::try_parse_from(argv).unwrap().command {
-            Command::Run(r) => *r,
-            _ => unreachable!("parsed the run subcommand"),
-        }
-    }
-
-    #[test]
-    fn tls_is_both_files_or_neither_and_they_are_read_at_start() {
-        crate::install_crypto_provider();
-        let mut a = run_args(&[]);
-        a.tls_cert_file = None;
-        a.tls_key_file = None;
-        assert_eq!(a.tls_files(), Ok(None));
-        assert_eq!(a.max_connections, 4096);
-        a.tls_cert_file = Some("/nonexistent/tls.crt".into());
-        assert_eq!(
-            a.validate().unwrap_err().to_string(),
-            "PRISM_TLS_CERT_FILE is set but PRISM_TLS_KEY_FILE is not: set both or neither"
-        );
-        a.tls_key_file = Some("/nonexistent/tls.key".into());
-        let e = a.validate().unwrap_err().to_string();
-        assert!(e.starts_with("PRISM_TLS_CERT_FILE: cannot read /nonexistent/tls.crt"), "{e}");
-        assert_eq!(e.lines().count(), 1);
-        a.tls_cert_file = Some("".into());
-        assert_eq!(a.tls_files(), Err(ConfigError::Unpaired("PRISM_TLS_KEY_FILE", "PRISM_TLS_CERT_FILE")));
-
-        let dir = std::env::temp_dir().join(format!("prism-config-tls-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (_, cert, key) = crate::transport::tls::tests::pair("config");
-        std::fs::write(dir.join("tls.crt"), cert).unwrap();
-        std::fs::write(dir.join("tls.key"), "not a key").unwrap();
-        let a = run_args(&[
-            "--tls-cert-file",
-            dir.join("tls.crt").to_str().unwrap(),
-            "--tls-key-file",
-            dir.join("tls.key").to_str().unwrap(),
-        ]);
-        let e = a.validate().unwrap_err().to_string();
-        assert!(e.starts_with("PRISM_TLS_KEY_FILE: ") && e.contains("no PEM private key"), "{e}");
-        std::fs::write(dir.join("tls.key"), key).unwrap();
-        assert_eq!(a.validate(), Ok(()));
-        let _ = std::fs::remove_dir_all(dir);
-    }
-
-    #[test]
-    fn the_connection_cap_is_bounded() {
-        assert_eq!(run_args(&["--max-connections", "10"]).max_connections, 10);
-        let argv = ["prism-operator", "run", "--max-connections", "0"];
-        assert!(Cli::try_parse_from(argv).is_err());
     }
 }

@@ -10,6 +10,7 @@ use tracing::{info, warn};
 
 use crate::agent_sessions::AgentService;
 use crate::api::{self, AppState};
+use crate::commands::settings::Settings;
 use crate::config::{RunArgs, redact_url};
 use crate::db;
 use crate::election::ElectionStore;
@@ -26,7 +27,7 @@ use crate::transport;
 
 /// `prism-operator run`, step by step.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
-    args.validate()?;
+    let settings = Settings::read(&args)?;
     // Two pools: the HTTP API's, and the controllers' and background loops' (SPEC §12: a
     // flood of API calls cannot starve the election's reconciles, and /readyz does not
     // fail because the API pool is busy).
@@ -68,8 +69,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let leading = start_leader_work(&args, &kube, &controller_election, &controller_registry, &metrics, lease_stop_rx);
     let election = ElectionStore::with_quotas(api_pool.clone(), quotas);
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
-    let mcp = mcp_config(&args, &api_pool).await?;
-    let limits = Arc::new(args.limits());
+    let Settings { limits, allowed_hosts, session_key, tls } = settings;
+    let mcp = mcp_config(allowed_hosts, session_key, &api_pool).await?;
+    let limits = Arc::new(limits);
     spawn_limit_pruning(limits.clone());
     let health = Arc::new(api::health::Health::default());
     let probes = api::health::Probes {
@@ -100,7 +102,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         // Receivers live as long as the server and the leader loop; none left is fine.
         let _ = stop_tx.send(true);
     });
-    serve_api(&args, state, stop_rx).await?;
+    serve_api(&args, tls, state, stop_rx).await?;
     info!("HTTP API stopped: waiting claims answered, watches and MCP streams ended");
     let _ = lease_stop_tx.send(true);
     if let Some(leading) = leading {
@@ -124,9 +126,12 @@ async fn open_database(args: &RunArgs) -> anyhow::Result<(sqlx::PgPool, sqlx::Pg
 
 /// The MCP allow-list, and the key that signs MCP session ids: the configured one, else
 /// the one every replica of this database shares.
-async fn mcp_config(args: &RunArgs, pool: &sqlx::PgPool) -> anyhow::Result<api::mcp::McpConfig> {
-    let allowed_hosts = args.mcp_allowed_hosts()?;
-    let session_key = match args.mcp_session_key()? {
+async fn mcp_config(
+    allowed_hosts: api::mcp::AllowedHosts,
+    session_key: Option<api::mcp::SessionKey>,
+    pool: &sqlx::PgPool,
+) -> anyhow::Result<api::mcp::McpConfig> {
+    let session_key = match session_key {
         Some(key) => key,
         None => api::mcp::SessionKey::shared(pool).await?,
     };
@@ -229,10 +234,10 @@ fn spawn_subscription_pruning(subscriptions: api::mcp::subscriptions::Subscripti
 /// `stop` says so.
 async fn serve_api(
     args: &RunArgs,
+    tls: Option<transport::CertFiles>,
     state: Arc<AppState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let tls = args.tls_files()?;
     let limits = transport::Limits::spec(args.max_connections as usize);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
