@@ -1,0 +1,128 @@
+//! The crate's modules form no import cycle (issue 22): a module's non-test code names
+//! other modules as `crate::…` or `super::…`, and following those names never leads back
+//! to where it started. A cycle would let any layer reach any other; this holds the line
+//! until the layers are crates of a workspace, where the compiler holds it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Module path ("api::mcp", "" for the crate root) → the source of its non-test code.
+fn modules() -> BTreeMap<String, String> {
+    fn walk(dir: &Path, out: &mut BTreeMap<String, String>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).expect("read src").flatten().map(|e| e.path()).collect();
+        entries.sort();
+        for path in entries {
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let rel = path.strip_prefix(concat!(env!("CARGO_MANIFEST_DIR"), "/src")).expect("under src");
+                let mut parts: Vec<String> =
+                    rel.with_extension("").iter().map(|p| p.to_string_lossy().into_owned()).collect();
+                if matches!(parts.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+                    parts.pop();
+                }
+                let text = std::fs::read_to_string(&path).expect("read module");
+                // Tests may reach anywhere: what is checked is the code that ships.
+                let code = text.split("#[cfg(test)]").next().unwrap_or_default().to_string();
+                out.entry(parts.join("::")).or_default().push_str(&code);
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")), &mut out);
+    out
+}
+
+/// The module of `path` (the longest prefix that is a module).
+fn resolve(path: &str, modules: &BTreeMap<String, String>) -> Option<String> {
+    let segments: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
+    (1..=segments.len()).rev().map(|k| segments[..k].join("::")).find(|m| modules.contains_key(m))
+}
+
+fn edges(modules: &BTreeMap<String, String>) -> BTreeMap<String, BTreeSet<String>> {
+    let named = regex::Regex::new(r"\b(crate|super)::([a-z_][a-z0-9_]*(?:::[a-z_][a-z0-9_]*)*)").expect("regex");
+    let mut edges = BTreeMap::new();
+    for (module, code) in modules {
+        let mut to = BTreeSet::new();
+        for c in named.captures_iter(code) {
+            let path = if &c[1] == "super" {
+                let parent = module.rsplit_once("::").map(|(p, _)| p).unwrap_or("");
+                format!("{parent}::{}", &c[2])
+            } else {
+                c[2].to_string()
+            };
+            if let Some(target) = resolve(&path, modules)
+                && &target != module
+            {
+                to.insert(target);
+            }
+        }
+        edges.insert(module.clone(), to);
+    }
+    edges
+}
+
+/// The strongly connected components of more than one module (Tarjan).
+fn cycles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+    struct Walk<'a> {
+        edges: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        found: Vec<Vec<String>>,
+    }
+    fn visit<'a>(w: &mut Walk<'a>, v: &'a str) {
+        let i = w.index.len();
+        w.index.insert(v, i);
+        w.low.insert(v, i);
+        w.stack.push(v);
+        for t in &w.edges[v] {
+            if !w.index.contains_key(t.as_str()) {
+                visit(w, t);
+                let l = w.low[t.as_str()].min(w.low[v]);
+                w.low.insert(v, l);
+            } else if w.stack.contains(&t.as_str()) {
+                let l = w.index[t.as_str()].min(w.low[v]);
+                w.low.insert(v, l);
+            }
+        }
+        if w.low[v] == w.index[v] {
+            let mut component = Vec::new();
+            while let Some(m) = w.stack.pop() {
+                component.push(m.to_string());
+                if m == v {
+                    break;
+                }
+            }
+            if component.len() > 1 {
+                component.sort();
+                w.found.push(component);
+            }
+        }
+    }
+    let mut w = Walk { edges, index: BTreeMap::new(), low: BTreeMap::new(), stack: Vec::new(), found: Vec::new() };
+    for v in edges.keys() {
+        if !w.index.contains_key(v.as_str()) {
+            visit(&mut w, v);
+        }
+    }
+    w.found
+}
+
+#[test]
+fn the_modules_form_no_import_cycle() {
+    let modules = modules();
+    assert!(modules.contains_key("config") && modules.contains_key("api::mcp"), "the walk found the modules");
+    let found = cycles(&edges(&modules));
+    assert!(found.is_empty(), "import cycles among the crate's modules: {found:?}");
+}
+
+#[test]
+fn the_check_finds_a_cycle_when_there_is_one() {
+    let mut modules = BTreeMap::new();
+    modules.insert("a".to_string(), "use crate::b::Thing;".to_string());
+    modules.insert("b".to_string(), "fn f() { super::c::g() }".to_string());
+    modules.insert("c".to_string(), "use crate::a;".to_string());
+    modules.insert("d".to_string(), "use crate::a;".to_string());
+    assert_eq!(cycles(&edges(&modules)), vec![vec!["a".to_string(), "b".to_string(), "c".to_string()]]);
+}
