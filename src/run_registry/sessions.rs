@@ -373,6 +373,11 @@ enum Connection {
 /// restart after failovers left one replica's registry down for good while the others
 /// recovered). So a request that gets "no connections" replaces the connection with a
 /// fresh one from the seed nodes; the stuck one ends when its last clone is dropped.
+/// It can also stay stuck with every request timing out after such a restart (seen in
+/// CI: tests/redis_cluster.rs, no hello for 20 s against a cluster that answered PING):
+/// `STUCK_AFTER` transport failures in a row (timeouts, drops, refusals; no success in
+/// between) replace it the same way. A failover's few seconds of timeouts may cost one
+/// replacement too, which dials the seed nodes and finds the new master.
 #[derive(Clone)]
 struct ClusterHandle(Arc<ClusterParts>);
 
@@ -382,28 +387,64 @@ struct ClusterParts {
     /// The connection in use, and its generation (so that a burst of failures on one
     /// stuck connection replaces it once).
     current: Mutex<(u64, ClusterConnection)>,
+    /// Transport failures in a row on the current generation.
+    failing: std::sync::atomic::AtomicU32,
 }
+
+/// Transport failures in a row after which a cluster connection is dialled afresh.
+const STUCK_AFTER: u32 = 5;
 
 impl ClusterHandle {
     fn new(client: ClusterClient, config: ClusterConfig) -> Self {
         let conn = client.get_pending_async_connection_with_config(config.clone());
-        Self(Arc::new(ClusterParts { client, config, current: Mutex::new((0, conn)) }))
+        Self(Arc::new(ClusterParts {
+            client,
+            config,
+            current: Mutex::new((0, conn)),
+            failing: std::sync::atomic::AtomicU32::new(0),
+        }))
     }
 
     fn connection(&self) -> (u64, ClusterConnection) {
         self.0.current.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// After `error` on generation `generation`: a connection that has no node left is
-    /// replaced (once) by one dialled from the seed nodes.
+    /// After `error` on generation `generation`: a connection that has no node left, or
+    /// whose requests failed at the transport `STUCK_AFTER` times in a row, is replaced
+    /// (once) by one dialled from the seed nodes.
     fn after_error(&self, generation: u64, error: &RedisError) {
-        if error.kind() != ErrorKind::ClusterConnectionNotFound {
+        use std::sync::atomic::Ordering;
+        let mut current = self.0.current.lock().unwrap_or_else(PoisonError::into_inner);
+        // A request of a connection already replaced says nothing of the new one.
+        if current.0 != generation {
             return;
         }
-        let mut current = self.0.current.lock().unwrap_or_else(PoisonError::into_inner);
-        if current.0 == generation {
-            tracing::warn!(generation, "Redis Cluster connection has no node left; dialling the seed nodes again");
-            *current = (generation + 1, self.0.client.get_pending_async_connection_with_config(self.0.config.clone()));
+        let transport =
+            error.is_timeout() || error.is_connection_dropped() || error.is_connection_refusal() || error.is_io_error();
+        let why = if error.kind() == ErrorKind::ClusterConnectionNotFound {
+            "has no node left"
+        } else if transport {
+            if self.0.failing.fetch_add(1, Ordering::Relaxed) + 1 < STUCK_AFTER {
+                return;
+            }
+            "failed at the transport several times in a row"
+        } else {
+            return;
+        };
+        tracing::warn!(generation, "Redis Cluster connection {why}; dialling the seed nodes again");
+        *current = (generation + 1, self.0.client.get_pending_async_connection_with_config(self.0.config.clone()));
+        self.0.failing.store(0, Ordering::Relaxed);
+    }
+
+    /// A request went through: the run of transport failures is over.
+    fn after_success(&self) {
+        self.0.failing.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn settle<T>(&self, generation: u64, answer: &Result<T, RedisError>) {
+        match answer {
+            Ok(_) => self.after_success(),
+            Err(e) => self.after_error(generation, e),
         }
     }
 }
@@ -415,9 +456,7 @@ impl ClusterHandle {
         let (generation, mut conn) = self.connection();
         let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
         let answer = conn.route_pipeline(pipeline, 0, count, route).await;
-        if let Err(e) = &answer {
-            self.after_error(generation, e);
-        }
+        self.settle(generation, &answer);
         answer
     }
 }
@@ -427,9 +466,7 @@ impl ConnectionLike for ClusterHandle {
         let (generation, mut conn) = self.connection();
         Box::pin(async move {
             let answer = conn.req_packed_command(cmd).await;
-            if let Err(e) = &answer {
-                self.after_error(generation, e);
-            }
+            self.settle(generation, &answer);
             answer
         })
     }
@@ -443,9 +480,7 @@ impl ConnectionLike for ClusterHandle {
         let (generation, mut conn) = self.connection();
         Box::pin(async move {
             let answer = conn.req_packed_commands(pipeline, offset, count).await;
-            if let Err(e) = &answer {
-                self.after_error(generation, e);
-            }
+            self.settle(generation, &answer);
             answer
         })
     }
@@ -870,6 +905,37 @@ mod tests {
         assert_eq!(handle.connection().0, 1, "the old connection's late failures do not replace the new one");
         handle.clone().after_error(1, &no_node);
         assert_eq!(handle.connection().0, 2, "clones share the connection");
+    }
+
+    /// A connection whose requests keep failing at the transport (every request timing
+    /// out after a whole-cluster restart, seen in CI) is replaced after `STUCK_AFTER` in
+    /// a row; a success in between, or Redis refusing a command, is no such run.
+    #[tokio::test]
+    async fn a_cluster_connection_that_keeps_failing_at_the_transport_is_dialled_again() {
+        let client = ClusterClient::new(vec!["redis://127.0.0.1:1"]).expect("client");
+        let handle = ClusterHandle::new(client, ClusterConfig::new());
+        let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+        assert!(timeout.is_timeout());
+        for _ in 1..STUCK_AFTER {
+            handle.after_error(0, &timeout);
+        }
+        assert_eq!(handle.connection().0, 0, "a few timeouts are a slow moment, not a stuck connection");
+        handle.after_success();
+        for _ in 1..STUCK_AFTER {
+            handle.after_error(0, &timeout);
+        }
+        assert_eq!(handle.connection().0, 0, "a success in between starts the count again");
+        handle.after_error(0, &timeout);
+        assert_eq!(handle.connection().0, 1, "STUCK_AFTER in a row: dialled again");
+        for _ in 0..2 * STUCK_AFTER {
+            handle.after_error(0, &timeout);
+        }
+        assert_eq!(handle.connection().0, 1, "late failures of the replaced connection count for nothing");
+        let refused = RedisError::from((ErrorKind::UnexpectedReturnType, "not a hash"));
+        for _ in 0..2 * STUCK_AFTER {
+            handle.after_error(1, &refused);
+        }
+        assert_eq!(handle.connection().0, 1, "an answer of the wrong type is no transport failure");
     }
 
     fn fields(pairs: &[(&str, &str)]) -> SessionFields {
