@@ -384,7 +384,7 @@ mod tests {
         let project: Check = |s| check_identifier("", s, 128).is_ok();
         let session: Check = |s| check_identifier("", s, 256).is_ok();
         let server: Check = server_instance_id_ok;
-        let reason: Check = |s| check_identifier("", s, 256).is_ok();
+        let reason: Check = |s| check_identifier("", s, crate::run_registry::jobs::MAX_REASON_CHARS).is_ok();
         let s = "/components/schemas";
         let pairs: Vec<(&str, &Value, Check)> = vec![
             ("RegisterBody.namespace", at(&format!("{s}/RegisterBody/properties/namespace")), ns),
