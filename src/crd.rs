@@ -34,24 +34,9 @@ pub const OWNER_ANNOTATION: &str = "prism.ntecdev.ai/owner";
 pub const REGISTERED_BY_ANNOTATION: &str = "prism.ntecdev.ai/registered-by";
 pub const REGISTERED_BY_API: &str = "api";
 
-/// Printable text (SPEC §3.1): no control character (C0, DEL, C1, what `char::is_control`
-/// says). Spelled so that Go's RE2 (the API server), Python's `re` and ECMAScript read it
-/// alike: `\xHH` is a code point in all three.
-pub const PRINTABLE_PATTERN: &str = r"^[^\x00-\x1F\x7F-\x9F]*$";
-/// Longest project id and session id (characters), as the CRD and the tables have them.
-pub const PROJECT_ID_MAX: usize = 128;
-pub const SESSION_ID_MAX: usize = 256;
-
-/// Whether `v` may be a label value (63 characters of `[A-Za-z0-9._-]`, alphanumeric
-/// at both ends, or empty): spec.projectId is copied to PROJECT_LABEL only then.
-pub fn is_label_value(v: &str) -> bool {
-    let b = v.as_bytes();
-    b.len() <= 63
-        && (b.is_empty()
-            || (b[0].is_ascii_alphanumeric()
-                && b[b.len() - 1].is_ascii_alphanumeric()
-                && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))))
-}
+// The identifiers' limits are the domain's (SPEC §3.1), said once.
+use prism_core::limits::{COMPONENT_KIND_MAX, SERVER_INSTANCE_ID_MAX};
+pub use prism_core::limits::{PRINTABLE_PATTERN, PROJECT_ID_MAX, SESSION_ID_MAX, is_label_value};
 
 // ---------------------------------------------------------------------------------------
 // ControllerRegistration
@@ -98,59 +83,8 @@ pub struct ControllerRegistrationSpec {
     pub agent_surface: AgentSurface,
 }
 
-text_enum! {
-    /// The agent surfaces a registration can come from (also a Postgres CHECK constraint).
-    #[derive(JsonSchema)]
-    pub enum AgentSurface {
-        ClaudeDesktop = "claude_desktop",
-        ClaudeCode = "claude_code",
-        Codex = "codex",
-        Cursor = "cursor",
-        Other = "other",
-    }
-}
-
-impl AgentSurface {
-    pub fn is_desktop(self) -> bool {
-        self == AgentSurface::ClaudeDesktop
-    }
-}
-
-/// A registration's role, spelled as Kubernetes spells enum values (`kubectl get` shows it);
-/// the HTTP API and the routing table use the same spelling.
-#[derive(Serialize, Deserialize, JsonSchema, utoipa::ToSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Role {
-    // Not (yet) in the election. (A doc comment here would reorder the schema's enum.)
-    #[default]
-    Pending,
-    Master,
-    Peer,
-    Released,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Pending => "Pending",
-            Role::Master => "Master",
-            Role::Peer => "Peer",
-            Role::Released => "Released",
-        }
-    }
-}
-
-text_enum! {
-    /// Why a registration left its project (also a Postgres CHECK constraint).
-    #[derive(JsonSchema)]
-    pub enum ReleaseReason {
-        /// The session wrapped (its resource was deleted, or it called release).
-        Wrapped = "wrapped",
-        /// The session registered on another project.
-        ContextSwitch = "context_switch",
-        /// No heartbeat within the stale threshold: the sweep released it.
-        StaleHeartbeatIncident = "stale_heartbeat_incident",
-    }
-}
+// The election's values are the domain's, with their JSON Schema.
+pub use prism_core::election::{AgentSurface, ReleaseReason, Role};
 
 /// Who a registration is: used for `status.master` and `status.preemptedBy`.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, PartialEq, Eq)]
@@ -222,11 +156,11 @@ pub struct ControllerRegistrationStatus {
 #[serde(rename_all = "camelCase")]
 pub struct RunSessionSpec {
     /// The server instance this Run belongs to; with componentKind, unique in the cluster.
-    #[schemars(length(min = 1, max = 253), regex(pattern = r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$"))]
+    #[schemars(length(min = 1, max = SERVER_INSTANCE_ID_MAX), regex(pattern = r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$"))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("serverInstanceId is immutable"))]
     pub server_instance_id: String,
     /// The kind of component (lowercase DNS label), e.g. `run`.
-    #[schemars(length(min = 1, max = 63), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    #[schemars(length(min = 1, max = COMPONENT_KIND_MAX), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("componentKind is immutable"))]
     pub component_kind: String,
     pub credential: RunCredential,

@@ -50,100 +50,23 @@ pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
 }
 
 /// A domain value spelled as one lowercase word in JSON, in Postgres (a text column
-/// guarded by a CHECK constraint) and in logs: declares the enum with its spellings and
-/// implements serde, `Display`, `FromStr` and the sqlx text codec from that one list. A
-/// spelling the code does not know is a decode error naming the type and the value,
-/// never a default.
+/// guarded by a CHECK constraint) and in logs: `prism_core::text_enum!` with the codecs
+/// of this crate's layers (the Postgres text codec, the OpenAPI schema) from the same
+/// list of spellings. A spelling the code does not know is a decode error naming the
+/// type and the value, never a default.
 macro_rules! text_enum {
     (
         $(#[$meta:meta])*
-        $vis:vis enum $name:ident {
-            $( $(#[$vmeta:meta])* $variant:ident = $text:literal ),+ $(,)?
-        }
+        $vis:vis enum $name:ident { $($body:tt)* }
     ) => {
-        $(#[$meta])*
-        #[derive(serde::Serialize, serde::Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        $vis enum $name {
-            $( $(#[$vmeta])* #[serde(rename = $text)] $variant ),+
-        }
-
-        impl $name {
-            pub const ALL: &'static [$name] = &[$($name::$variant),+];
-
-            /// The wire and database spelling.
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $($name::$variant => $text),+
-                }
-            }
-        }
-
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-
-        impl std::str::FromStr for $name {
-            type Err = $crate::db::UnknownValue;
-            fn from_str(s: &str) -> Result<Self, Self::Err> {
-                match s {
-                    $($text => Ok($name::$variant),)+
-                    _ => Err($crate::db::UnknownValue { kind: stringify!($name), value: s.to_string() }),
-                }
-            }
-        }
-
-        // The OpenAPI schema, from the same spellings as serde's (a derive would not see
-        // the `rename`s this macro writes, and would list the variant names).
-        impl utoipa::PartialSchema for $name {
-            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-                utoipa::openapi::schema::ObjectBuilder::new()
-                    .schema_type(utoipa::openapi::schema::Type::String)
-                    .enum_values(Some([$($text),+]))
-                    .into()
-            }
-        }
-
-        impl utoipa::ToSchema for $name {}
-
-        impl sqlx::Type<sqlx::Postgres> for $name {
-            fn type_info() -> sqlx::postgres::PgTypeInfo {
-                <String as sqlx::Type<sqlx::Postgres>>::type_info()
-            }
-            // TEXT and VARCHAR columns alike.
-            fn compatible(ty: &sqlx::postgres::PgTypeInfo) -> bool {
-                <String as sqlx::Type<sqlx::Postgres>>::compatible(ty)
-            }
-        }
-
-        impl sqlx::Encode<'_, sqlx::Postgres> for $name {
-            fn encode_by_ref(
-                &self,
-                buf: &mut sqlx::postgres::PgArgumentBuffer,
-            ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
-                <&str as sqlx::Encode<sqlx::Postgres>>::encode(self.as_str(), buf)
-            }
-        }
-
-        impl<'r> sqlx::Decode<'r, sqlx::Postgres> for $name {
-            fn decode(value: sqlx::postgres::PgValueRef<'r>) -> Result<Self, sqlx::error::BoxDynError> {
-                let text = <&str as sqlx::Decode<sqlx::Postgres>>::decode(value)?;
-                Ok(text.parse::<$name>()?)
-            }
-        }
+        prism_core::text_enum! { $(#[$meta])* $vis enum $name { $($body)* } }
+        prism_core::sqlx_text!($name);
+        prism_core::utoipa_text!($name);
     };
 }
 pub(crate) use text_enum;
 
-/// A spelling of a domain value that this build does not know (a newer writer, or a
-/// row changed by hand): an error, never a silent default.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown {kind} {value:?}")]
-pub struct UnknownValue {
-    pub kind: &'static str,
-    pub value: String,
-}
+pub use prism_core::UnknownValue;
 
 /// An error that may say no more than "Postgres could not be reached just now".
 pub trait MaybeUnavailable {

@@ -23,6 +23,7 @@ pub mod transport;
 pub mod commands;
 pub mod config;
 pub mod db;
+pub mod failpoints;
 pub mod json_int;
 pub mod telemetry;
 pub mod time;

@@ -33,6 +33,7 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let _failpoints = prism_operator::failpoints::setup();
     if matches!(cli.command, Command::Jobs(_)) {
         telemetry::init_client(cli.log.log_format);
     } else {

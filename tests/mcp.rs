@@ -60,9 +60,15 @@ async fn session_row(
 
 /// Two replicas (leader election on, pods `<pod>-a` and `<pod>-b`) on one database.
 async fn two_replicas(db: &TestDb, ns: &str, pod: &str) -> (Operator, Operator) {
+    two_replicas_with(db, ns, pod, &[]).await
+}
+
+async fn two_replicas_with(db: &TestDb, ns: &str, pod: &str, env: &[(&str, &str)]) -> (Operator, Operator) {
     let cp = control_plane();
     let start = |name: String| async move {
-        Operator::start(cp, &db.url, ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", &name)]).await
+        let mut all = vec![("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", name.as_str())];
+        all.extend_from_slice(env);
+        Operator::start(cp, &db.url, ns, &all).await
     };
     (start(format!("{pod}-a")).await, start(format!("{pod}-b")).await)
 }
@@ -486,14 +492,19 @@ async fn the_charts_allow_list_admits_its_service_names() {
 /// (`resources/subscribe` + the session's GET stream; `subscriptions/listen`) and the
 /// resource then reads the new master; bad URIs and an identity without rights are
 /// refused with their codes; a session follows at most 32 resources, and its
-/// subscriptions go with it.
+/// subscriptions go with it. A preemption made the moment the subscribe or listen is
+/// answered is notified too (CI once saw a listen miss one: rmcp acknowledges a listen
+/// before its handler reads where the project stands).
 #[tokio::test]
 async fn the_routing_table_is_a_resource_and_its_changes_are_notified() {
     let cp = control_plane();
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-res").await;
     let db = TestDb::new().await;
-    let (a, b) = two_replicas(&db, &ns, "mcp-res").await;
+    // Each stream reads where its projects stand 0.8 s late, as a replica under load may
+    // (a fail point, src/failpoints.rs): a preemption in between must still be notified.
+    let slow = "mcp-listen-start=return(800);mcp-session-stream-read=return(800)";
+    let (a, b) = two_replicas_with(&db, &ns, "mcp-res", &[("FAILPOINTS", slow)]).await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
     // May watch registrations, not list them: no read of a routing table.
     let outsider = support::agent_token(cp, &ns, "outsider", &["watch"]);
@@ -523,6 +534,17 @@ async fn the_routing_table_is_a_resource_and_its_changes_are_notified() {
         ok(&out["desk_start"], "desk start");
         assert_eq!(out["updates"].get(0), Some(&json!(uri)), "{mode}: the preemption was notified: {out:#}");
         println!("{mode}: preemption → resource notification in {} ms", out["latency_ms"]);
+        // Sent the moment the subscribe (listen) was answered: notified every time.
+        let rounds = out["rounds"].as_array().expect("rounds");
+        assert_eq!(rounds.len(), 5, "{mode}");
+        for round in rounds {
+            assert_eq!(
+                round["updates"].get(0),
+                Some(&round["uri"]),
+                "{mode}: a preemption right after the answer: {out:#}"
+            );
+        }
+        println!("{mode}: right after the answer: {:?} ms", rounds.iter().map(|r| &r["ms"]).collect::<Vec<_>>());
         assert_eq!(out["after"]["master"]["agent_surface"], "claude_desktop", "{mode}");
         assert_eq!(out["after"]["term"], 2, "{mode}");
         assert_eq!(out["outsider_read"]["rpc_error"]["data"]["error"]["code"], "forbidden", "{mode}: {out:#}");

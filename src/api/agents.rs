@@ -19,31 +19,24 @@ use super::error::{ApiError, ApiJson, ApiPath, ApiQuery, ClientAddr};
 use crate::agent_sessions::{AgentError, HeartbeatReply, Registered, RouteEntry, RoutingTable};
 use crate::crd::AgentSurface;
 use crate::election::ElectionError;
+use prism_core::limits::{self, PROJECT_ID_MAX, SESSION_ID_MAX};
 
 pub const RESOURCE: &str = "controllerregistrations";
 
 pub fn check_namespace(ns: &str) -> Result<(), ApiError> {
-    let ok = !ns.is_empty()
-        && ns.len() <= 63
-        && ns.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
-        && !ns.starts_with('-')
-        && !ns.ends_with('-');
-    if ok { Ok(()) } else { Err(ApiError::invalid(format!("namespace {ns:?} is not a valid namespace name"))) }
+    if limits::is_namespace(ns) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(format!("namespace {ns:?} is not a valid namespace name")))
+    }
 }
 
 // The schemas below state these checks as `pattern`s (utoipa takes literals only); the
 // unit tests hold each pattern of the served document to the function it restates.
 
-/// An identifier (a project or session id, SPEC §3.1): 1 to `max` characters (Unicode
-/// scalar values, as JSON Schema's `maxLength` counts), all printable. No control
-/// character (C0, DEL, C1: `char::is_control`, the schemas' `PRINTABLE_PATTERN`): a
-/// newline would split `kubectl get` rows and log lines, and a NUL cannot be stored.
+/// An identifier (a project or session id, SPEC §3.1): `limits::is_identifier`.
 pub fn check_identifier(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
-    if v.is_empty() || v.chars().count() > max || v.chars().any(char::is_control) {
-        Err(ApiError::invalid(format!("{field} must be 1 to {max} printable characters (no control characters)")))
-    } else {
-        Ok(())
-    }
+    if limits::is_identifier(v, max) { Ok(()) } else { Err(ApiError::invalid(limits::identifier_rule(field, max))) }
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -62,8 +55,8 @@ impl RegisterBody {
     /// Everything about the body a handler checks before any token or row is looked at.
     pub fn check(&self) -> Result<(), ApiError> {
         check_namespace(&self.namespace)?;
-        check_identifier("project_id", &self.project_id, 128)?;
-        check_identifier("session_id", &self.session_id, 256)
+        check_identifier("project_id", &self.project_id, PROJECT_ID_MAX)?;
+        check_identifier("session_id", &self.session_id, SESSION_ID_MAX)
     }
 }
 
@@ -198,7 +191,7 @@ pub struct HeartbeatBody {
 impl HeartbeatBody {
     pub fn check(&self) -> Result<(), ApiError> {
         check_namespace(&self.namespace)?;
-        check_identifier("session_id", &self.session_id, 256)
+        check_identifier("session_id", &self.session_id, SESSION_ID_MAX)
     }
 }
 
@@ -263,9 +256,9 @@ impl StatusQuery {
         let namespace =
             self.namespace.clone().ok_or_else(|| ApiError::invalid("the namespace query parameter is required"))?;
         check_namespace(&namespace)?;
-        check_identifier("project_id", project_id, 128)?;
+        check_identifier("project_id", project_id, PROJECT_ID_MAX)?;
         if let Some(session_id) = &self.session_id {
-            check_identifier("session_id", session_id, 256)?;
+            check_identifier("session_id", session_id, SESSION_ID_MAX)?;
         }
         Ok(namespace)
     }
@@ -336,7 +329,7 @@ pub struct FenceBody {
 impl FenceBody {
     pub fn check(&self) -> Result<(), ApiError> {
         check_namespace(&self.namespace)?;
-        check_identifier("project_id", &self.project_id, 128)
+        check_identifier("project_id", &self.project_id, PROJECT_ID_MAX)
     }
 }
 
@@ -406,13 +399,13 @@ mod tests {
 
     #[test]
     fn control_characters_are_refused_in_identifiers() {
-        assert!(check_identifier("session_id", "a\0b", 256).is_err());
+        assert!(check_identifier("session_id", "a\0b", SESSION_ID_MAX).is_err());
         for bad in ["P\nX", "P\rX", "P\tX", "P\u{7f}", "P\u{85}X", "\u{1b}[31m"] {
-            assert!(check_identifier("project_id", bad, 128).is_err(), "{bad:?}");
+            assert!(check_identifier("project_id", bad, PROJECT_ID_MAX).is_err(), "{bad:?}");
         }
-        assert!(check_identifier("project_id", "PID-42 ü 日本 🚀", 128).is_ok());
-        assert!(check_identifier("session_id", "é".repeat(256).as_str(), 256).is_ok());
-        assert!(check_identifier("session_id", "é".repeat(257).as_str(), 256).is_err());
+        assert!(check_identifier("project_id", "PID-42 ü 日本 🚀", PROJECT_ID_MAX).is_ok());
+        assert!(check_identifier("session_id", "é".repeat(256).as_str(), SESSION_ID_MAX).is_ok());
+        assert!(check_identifier("session_id", "é".repeat(257).as_str(), SESSION_ID_MAX).is_err());
     }
 
     proptest! {
@@ -426,7 +419,7 @@ mod tests {
             match through_api_json::<RegisterBody>(bytes).and_then(|b| b.check().map(|()| b)) {
                 Ok(b) => {
                     prop_assert!(check_namespace(&b.namespace).is_ok());
-                    prop_assert!(storable(&b.project_id, 128) && storable(&b.session_id, 256));
+                    prop_assert!(storable(&b.project_id, PROJECT_ID_MAX) && storable(&b.session_id, SESSION_ID_MAX));
                 }
                 Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
             }
@@ -435,7 +428,7 @@ mod tests {
         #[test]
         fn heartbeat_bodies(bytes in body_bytes(json!({"namespace": "agents", "session_id": "s"}))) {
             match through_api_json::<HeartbeatBody>(bytes).and_then(|b| b.check().map(|()| b)) {
-                Ok(b) => prop_assert!(storable(&b.session_id, 256)),
+                Ok(b) => prop_assert!(storable(&b.session_id, SESSION_ID_MAX)),
                 Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
             }
         }
@@ -444,7 +437,7 @@ mod tests {
         #[test]
         fn fence_bodies(bytes in body_bytes(json!({"namespace": "agents", "project_id": "P", "term": 3}))) {
             match through_api_json::<FenceBody>(bytes).and_then(|b| b.check().map(|()| b)) {
-                Ok(b) => prop_assert!(storable(&b.project_id, 128)),
+                Ok(b) => prop_assert!(storable(&b.project_id, PROJECT_ID_MAX)),
                 Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
             }
         }
@@ -454,8 +447,8 @@ mod tests {
             let q = StatusQuery { namespace: Some(ns), session_id: session };
             match q.check(&project) {
                 Ok(_) => {
-                    prop_assert!(storable(&project, 128));
-                    prop_assert!(q.session_id.as_deref().is_none_or(|s| storable(s, 256)));
+                    prop_assert!(storable(&project, PROJECT_ID_MAX));
+                    prop_assert!(q.session_id.as_deref().is_none_or(|s| storable(s, SESSION_ID_MAX)));
                 }
                 Err(e) => prop_assert!(is_client_error(&e)),
             }

@@ -381,8 +381,8 @@ mod tests {
     /// Each schema of a hand-checked string and the check it restates.
     fn pairs() -> Vec<(&'static str, StringSchema, Check)> {
         let ns: Check = |s| check_namespace(s).is_ok();
-        let project: Check = |s| check_identifier("", s, 128).is_ok();
-        let session: Check = |s| check_identifier("", s, 256).is_ok();
+        let project: Check = |s| check_identifier("", s, crate::crd::PROJECT_ID_MAX).is_ok();
+        let session: Check = |s| check_identifier("", s, crate::crd::SESSION_ID_MAX).is_ok();
         let server: Check = server_instance_id_ok;
         let reason: Check = |s| check_identifier("", s, crate::run_registry::jobs::MAX_REASON_CHARS).is_ok();
         let s = "/components/schemas";

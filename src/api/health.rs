@@ -98,7 +98,7 @@ async fn within<F: std::future::Future<Output = Check>>(probe: F) -> Check {
 pub async fn probe(health: &Health, p: &Probes) {
     let (postgres, redis, kubernetes) = tokio::join!(
         within(async { sqlx::query("SELECT 1").execute(&p.pool).await.map(|_| ()).map_err(|e| e.to_string()) }),
-        within(async { p.registry.sessions.ping().await.map_err(|e| e.to_string()) }),
+        within(async { p.registry.ping().await.map_err(|e| e.to_string()) }),
         within(async { p.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string()) }),
     );
     p.metrics.set_up("postgres", postgres.is_ok());
@@ -155,7 +155,7 @@ async fn postgres_gauges(p: &Probes) -> Result<(), QueryError> {
     .await
     .step("metrics: count live registrations")?;
     m.set_registrations(roles);
-    match p.registry.jobs.census().await {
+    match p.registry.census().await {
         Ok(census) => m.set_jobs(&census),
         Err(RegistryError::Database(e)) => return Err(e),
         Err(other) => tracing::warn!(error = %other, "metrics: jobs not counted"),
@@ -164,8 +164,7 @@ async fn postgres_gauges(p: &Probes) -> Result<(), QueryError> {
 }
 
 async fn runs_online_gauge(p: &Probes) -> Result<(), RegistryError> {
-    let addresses = p.registry.identities.all_addresses().await?;
-    let online = p.registry.sessions.count_live(&addresses).await?;
+    let online = p.registry.online().await?;
     p.metrics.runs_online.set(i64::try_from(online).unwrap_or(i64::MAX));
     Ok(())
 }

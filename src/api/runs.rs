@@ -215,7 +215,7 @@ pub async fn heartbeat(
 /// `Draining`, its condition and Event) rather than at the reconciler's next requeue. The
 /// heartbeat succeeded whatever happens here; a lost signal only delays the status.
 async fn drain_changed_announce(state: &AppState, address: &RunAddress) {
-    let identity = match state.registry.identities.live(address).await {
+    let identity = match state.registry.identity(None, address).await {
         Ok(Some(identity)) => identity,
         Ok(None) => return,
         Err(error) => {
@@ -309,7 +309,7 @@ impl EnqueueBody {
 
 pub fn check_fence(f: &JobFence) -> Result<(), ApiError> {
     check_namespace(&f.namespace)?;
-    check_identifier("fence.project_id", &f.project_id, 128)?;
+    check_identifier("fence.project_id", &f.project_id, prism_core::limits::PROJECT_ID_MAX)?;
     if f.term < 1 {
         return Err(ApiError::invalid("fence.term must be an integer >= 1"));
     }
@@ -380,8 +380,8 @@ pub async fn enqueue_as(
         ))
     };
     let identity = match namespace {
-        Some(ns) => state.registry.identities.live_in(ns, address).await?,
-        None => state.registry.identities.live(address).await?,
+        Some(ns) => state.registry.identity(Some(ns), address).await?,
+        None => state.registry.identity(None, address).await?,
     };
     let Some(identity) = identity else {
         if let Some(ns) = namespace
@@ -400,7 +400,7 @@ pub async fn enqueue_as(
     if let Some(f) = &new.fence {
         state.auth.authorize(caller, "get", super::agents::RESOURCE, &f.namespace).await?;
     }
-    enqueued(state.registry.jobs.enqueue(namespace, address, new).await?)
+    enqueued(state.registry.enqueue(namespace, address, new).await?)
 }
 
 /// An enqueue's answer: 201 new, 200 the first job of its key, or the 409 that refused it.
@@ -461,7 +461,7 @@ pub async fn get_job(
     check_namespace(&q.namespace)?;
     let caller = state.auth.authenticate(&headers, peer).await?;
     state.auth.authorize(&caller, "get", RESOURCE, &q.namespace).await?;
-    match state.registry.jobs.get(&q.namespace, id).await? {
+    match state.registry.job(&q.namespace, id).await? {
         Some(job) => Ok(Json(job)),
         None => Err(job_not_found(id, &q.namespace)),
     }
@@ -531,12 +531,12 @@ pub async fn list_jobs(
     if let Some(s) = &q.server_instance_id
         && !server_instance_id_ok(s)
     {
-        return Err(ApiError::invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]"));
+        return Err(ApiError::invalid(prism_core::limits::server_instance_id_rule()));
     }
     if let Some(c) = &q.component_kind
         && !crate::run_registry::service::component_kind_ok(c)
     {
-        return Err(ApiError::invalid("component_kind: 1-63 characters of [a-z0-9-]"));
+        return Err(ApiError::invalid(prism_core::limits::component_kind_rule()));
     }
     let limit = q.limit.unwrap_or(100);
     if !(1..=MAX_PAGE).contains(&limit) {
@@ -550,7 +550,7 @@ pub async fn list_jobs(
     state.auth.authorize(&caller, "list", RESOURCE, &q.namespace).await?;
     let filter =
         JobFilter { server_instance_id: q.server_instance_id, component_kind: q.component_kind, state: q.state };
-    let (jobs, next) = state.registry.jobs.list(&q.namespace, &filter, limit, after).await?;
+    let (jobs, next) = state.registry.jobs(&q.namespace, &filter, limit, after).await?;
     Ok(Json(JobPage { jobs, next_cursor: next.map(|c| c.encode()) }))
 }
 
@@ -1009,13 +1009,13 @@ pub async fn server_status(
 ) -> Result<Json<ServerStatus>, ApiError> {
     // No RunSession can have another shape: saying so is no existence check.
     if !server_instance_id_ok(&server_instance_id) {
-        return Err(ApiError::invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]"));
+        return Err(ApiError::invalid(prism_core::limits::server_instance_id_rule()));
     }
     if let Some(ns) = &q.namespace {
         check_namespace(ns)?;
     }
     let caller = state.auth.authenticate(&headers, peer).await?;
-    let identities = state.registry.identities.of_server(&server_instance_id, q.namespace.as_deref()).await?;
+    let identities = state.registry.identities_of_server(&server_instance_id, q.namespace.as_deref()).await?;
     let mut components = Vec::new();
     for identity in &identities {
         let (namespace, name) = (&identity.spec.namespace, &identity.spec.name);
@@ -1055,7 +1055,7 @@ async fn component_status(state: &AppState, identity: &Identity) -> Result<Compo
         .and_then(|r| r.status)
         .map(|status| SessionView::shown_in(&status))
         .unwrap_or_default();
-    let live = match state.registry.sessions.session(&identity.address()).await {
+    let live = match state.registry.session_of(&identity.address()).await {
         // A session of an older epoch (an older key, an earlier identity) does not count.
         Ok(session) => session.filter(|s| s.epoch == identity.epoch),
         Err(e) if e.registry_unavailable() => {

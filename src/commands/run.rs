@@ -44,10 +44,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // One for both registries; every replica listens (its API answers heartbeats and claims).
     let signals = Signals::default();
     tokio::spawn(signals.clone().follow(api_pool.clone()));
-    let registry_on = |pool: &sqlx::PgPool| RunRegistry {
-        sessions: sessions.clone(),
-        identities: IdentityStore::new(pool.clone()),
-        jobs: JobStore::new(
+    let registry_on = |pool: &sqlx::PgPool| {
+        let jobs = JobStore::new(
             pool.clone(),
             JobSettings {
                 visibility: Duration::from_secs(u64::from(args.job_visibility_seconds)),
@@ -55,9 +53,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 default_timeout_seconds: i32::try_from(args.job_timeout_seconds).unwrap_or(600),
                 cancel_grace: Duration::from_secs(u64::from(args.job_cancel_grace_seconds)),
             },
-        ),
-        signals: signals.clone(),
-        default_lease_seconds: args.run_lease_seconds,
+        );
+        RunRegistry::new(
+            sessions.clone(),
+            IdentityStore::new(pool.clone()),
+            jobs,
+            signals.clone(),
+            args.run_lease_seconds,
+        )
     };
     let (api_registry, controller_registry) = (registry_on(&api_pool), registry_on(&controller_pool));
     let controller_election = ElectionStore::with_quotas(controller_pool.clone(), quotas);

@@ -1,11 +1,12 @@
-//! The controller election (SPEC §4): pure rules, the Postgres store around them, and
-//! the heartbeat coalescer that keeps registrations fresh.
+//! The controller election (SPEC §4): the Postgres store around the pure rules (they
+//! are `prism_core::election`'s), and the heartbeat coalescer that keeps registrations
+//! fresh.
 
 pub mod heartbeat;
-pub mod rules;
 pub mod store;
 
-pub use rules::{Candidate, Cause, Decision, Event, ProjectState, Transition, decide};
+pub use prism_core::election::rules;
+pub use prism_core::election::{Candidate, Cause, Decision, Event, ProjectState, Transition, decide};
 pub use store::{
     ElectionStore, LiveRole, NewRegistration, OwnedRegistration, ProjectView, Quota, Quotas, RegisterOutcome,
     Registration,

@@ -16,10 +16,10 @@ use tracing::{debug, warn};
 use uuid::Uuid;
 
 use super::ElectionError;
-use super::rules::{Candidate, Decision, Event, MasterChange, ProjectState, Transition, decide};
 use crate::crd::{AgentSurface, ReleaseReason, Role};
 use crate::db::{QueryError, Step, text_enum};
 use crate::refresh::{self, NamespacedName};
+use prism_core::election::{Candidate, Decision, Event, MasterChange, ProjectState, Transition, decide};
 
 /// How often one operation is tried against concurrent transactions before it reports
 /// `Contended`.

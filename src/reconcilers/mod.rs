@@ -378,8 +378,7 @@ async fn retain(ctx: &Context, namespace: Option<&str>) -> Result<(), Controller
         }
     }
     let pruned = ctx.election.prune(history_days).await?;
-    let jobs = ctx.registry.jobs.prune_finished(history_days).await?;
-    let identities = ctx.registry.identities.prune_revoked(history_days).await?;
+    let (jobs, identities) = ctx.registry.prune(history_days).await?;
     if deleted + pruned.registrations + pruned.history + pruned.nudges + jobs + identities > 0 {
         info!(
             resources_deleted = deleted,
@@ -401,7 +400,7 @@ pub async fn run_reaper(ctx: Arc<Context>, interval: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        match ctx.registry.jobs.reap().await {
+        match ctx.registry.reap().await {
             Ok(r) if r == Default::default() => {}
             Ok(r) => {
                 ctx.metrics.attempts_ended("requeued", r.requeued);
@@ -428,7 +427,7 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let up = ctx.registry.sessions.ping().await.is_ok();
+        let up = ctx.registry.ping().await.is_ok();
         if up == was_up {
             continue;
         }
@@ -441,8 +440,7 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
         let refreshed = async {
             let all: Vec<NamespacedName> = ctx
                 .registry
-                .identities
-                .all_live()
+                .live_names()
                 .await?
                 .into_iter()
                 .map(|(namespace, name)| NamespacedName::new(namespace, name))

@@ -85,7 +85,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
     let now = Utc::now();
     let generation = obj.metadata.generation;
 
-    let (next, requeue) = match ctx.registry.identities.mirror(&identity).await? {
+    let (next, requeue) = match ctx.registry.mirror(&identity).await? {
         Mirror::Duplicate { owner_namespace, owner_name } => {
             let msg = duplicate_message(&identity, &owner_namespace, &owner_name);
             (duplicate_status(&previous, generation, "DuplicateIdentity", &msg, now), Duration::from_secs(30))
@@ -104,7 +104,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
             // revocation, SPEC §12): a session of an older key is ended here, even when
             // the write that should have ended it failed before, or a hello raced the
             // rotation.
-            let (view, requeue) = match ctx.registry.sessions.fence(&address, epoch, None).await {
+            let (view, requeue) = match ctx.registry.fence(&address, epoch, None).await {
                 Ok(fenced) => {
                     ctx.fences_owed.invalidate(&identity.id);
                     match &fenced {
@@ -147,11 +147,8 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
 /// succeed: the finalizer stays until then, so a failed Redis write is made again.
 async fn cleanup(obj: &RunSession, ctx: &Context) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
-    let address = identity.address();
     // None: this resource never held the identity (a duplicate): nothing of it to undo.
-    if let Some(epoch) = ctx.registry.identities.revoke(identity.id).await? {
-        let cancelled = ctx.registry.jobs.cancel_for_identity(&identity.namespace, &address, identity.id).await?;
-        ctx.registry.sessions.fence(&address, epoch, Some(REVOKED_EPOCH_TTL)).await?;
+    if let Some(cancelled) = ctx.registry.revoke(&identity, REVOKED_EPOCH_TTL).await? {
         info!(name = %obj.name_any(), jobs_cancelled = cancelled, "RunSession deleted; identity revoked, its session ended");
     }
     Ok(Action::await_change())

@@ -5,7 +5,7 @@
 pub mod identity;
 pub mod jobs;
 pub mod projection;
-pub mod proof;
+pub use prism_core::proof;
 pub mod service;
 pub mod sessions;
 

@@ -14,10 +14,12 @@ use utoipa::openapi::schema::{ArrayBuilder, KnownFormat, ObjectBuilder, Schema, 
 use uuid::Uuid;
 
 use super::RegistryError;
-use super::identity::{Acting, HelloMark, Identity, IdentityStore};
-use super::jobs::{Cancel, Eligibility, Job, JobStore, Step, StepRefused};
+use super::identity::{Acting, HelloMark, Identity, IdentitySpec, IdentityStore, Mirror};
+use super::jobs::{
+    Cancel, Cursor, Eligibility, Enqueued, Job, JobCensus, JobFilter, JobStore, NewJob, Reaped, Step, StepRefused,
+};
 use super::proof;
-use super::sessions::{HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
+use super::sessions::{Fenced, HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
 use crate::crd::RunTarget;
 use crate::signals::Signals;
 
@@ -177,24 +179,16 @@ pub fn check_snapshot(
     Ok(())
 }
 
-/// The shapes an identity may have (the RunSession schema's). They carry no braces, so
-/// the Redis hash tag `{server/component}` of the address's keys is always the whole
-/// address and every key of one identity is on one cluster slot.
-pub fn server_instance_id_ok(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 253 && s.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
-}
-
-pub fn component_kind_ok(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 63 && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
-}
+// The shapes an identity may have: the domain's limits.
+pub use prism_core::limits::{component_kind_ok, server_instance_id_ok};
 
 /// A (server, component) address in the shape every identity has; no other can name one.
 pub fn check_address(server_instance_id: &str, component_kind: &str) -> Result<(), Invalid> {
     if !server_instance_id_ok(server_instance_id) {
-        return Err(Invalid("server_instance_id: 1-253 characters of [A-Za-z0-9._-]".into()));
+        return Err(Invalid(prism_core::limits::server_instance_id_rule()));
     }
     if !component_kind_ok(component_kind) {
-        return Err(Invalid("component_kind: 1-63 characters of [a-z0-9-]".into()));
+        return Err(Invalid(prism_core::limits::component_kind_rule()));
     }
     Ok(())
 }
@@ -304,16 +298,134 @@ pub fn token_hash(token: &str) -> String {
     Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// What Runs do, as one service over the three stores: hello, heartbeat, claim, steps.
+/// What Runs do, as one service over the three stores: hello, heartbeat, claim, steps;
+/// and what the platform, the reconcilers and the metrics ask of them. The stores are
+/// its own: every caller goes through a method here.
 #[derive(Clone)]
 pub struct RunRegistry {
-    pub sessions: SessionStore,
-    pub identities: IdentityStore,
-    pub jobs: JobStore,
+    sessions: SessionStore,
+    identities: IdentityStore,
+    jobs: JobStore,
     /// What this process hears of jobs changing on any replica: pending cancels, the
     /// wakes of waiting claims (one listener per process).
-    pub signals: Signals,
-    pub default_lease_seconds: u32,
+    signals: Signals,
+    default_lease_seconds: u32,
+}
+
+/// The platform's side and the operator's upkeep: what is asked of one store, passed on.
+impl RunRegistry {
+    pub fn new(
+        sessions: SessionStore,
+        identities: IdentityStore,
+        jobs: JobStore,
+        signals: Signals,
+        default_lease_seconds: u32,
+    ) -> Self {
+        RunRegistry { sessions, identities, jobs, signals, default_lease_seconds }
+    }
+
+    /// The live identity of an address (in `namespace`, when given).
+    pub async fn identity(&self, namespace: Option<&str>, a: &RunAddress) -> Result<Option<Identity>, RegistryError> {
+        match namespace {
+            Some(ns) => self.identities.live_in(ns, a).await,
+            None => self.identities.live(a).await,
+        }
+    }
+
+    /// Every live identity of a server (in `namespace`, when given).
+    pub async fn identities_of_server(
+        &self,
+        server_instance_id: &str,
+        namespace: Option<&str>,
+    ) -> Result<Vec<Identity>, RegistryError> {
+        self.identities.of_server(server_instance_id, namespace).await
+    }
+
+    /// The session an address holds now, if any.
+    pub async fn session_of(&self, a: &RunAddress) -> Result<Option<Session>, RegistryError> {
+        self.sessions.session(a).await
+    }
+
+    pub async fn enqueue(&self, namespace: &str, a: &RunAddress, new: &NewJob) -> Result<Enqueued, RegistryError> {
+        self.jobs.enqueue(namespace, a, new).await
+    }
+
+    pub async fn job(&self, namespace: &str, id: Uuid) -> Result<Option<Job>, RegistryError> {
+        self.jobs.get(namespace, id).await
+    }
+
+    /// A page of `namespace`'s jobs, newest first (`JobStore::list`).
+    pub async fn jobs(
+        &self,
+        namespace: &str,
+        filter: &JobFilter,
+        limit: i64,
+        after: Option<Cursor>,
+    ) -> Result<(Vec<Job>, Option<Cursor>), RegistryError> {
+        self.jobs.list(namespace, filter, limit, after).await
+    }
+
+    /// A RunSession's identity, mirrored into Postgres (its reconcile).
+    pub async fn mirror(&self, i: &IdentitySpec) -> Result<Mirror, RegistryError> {
+        self.identities.mirror(i).await
+    }
+
+    /// Ends the address's sessions of an epoch older than `epoch` (`SessionStore::fence`).
+    pub async fn fence(
+        &self,
+        a: &RunAddress,
+        epoch: i64,
+        expires: Option<std::time::Duration>,
+    ) -> Result<Fenced, RegistryError> {
+        self.sessions.fence(a, epoch, expires).await
+    }
+
+    /// A deleted RunSession: its identity revoked (a new epoch), the jobs of its namespace
+    /// it left unfinished cancelled, and Redis fenced to the revoked epoch, which ends its
+    /// session (`revoked_ttl`: how long the fence outlives it). None when the resource
+    /// never held the identity; else how many jobs were cancelled.
+    pub async fn revoke(
+        &self,
+        identity: &IdentitySpec,
+        revoked_ttl: std::time::Duration,
+    ) -> Result<Option<u64>, RegistryError> {
+        let Some(epoch) = self.identities.revoke(identity.id).await? else { return Ok(None) };
+        let address = identity.address();
+        let cancelled = self.jobs.cancel_for_identity(&identity.namespace, &address, identity.id).await?;
+        self.sessions.fence(&address, epoch, Some(revoked_ttl)).await?;
+        Ok(Some(cancelled))
+    }
+
+    /// The (namespace, name) of every live identity's RunSession.
+    pub async fn live_names(&self) -> Result<Vec<(String, String)>, RegistryError> {
+        self.identities.all_live().await
+    }
+
+    /// Retention: finished jobs' keys and revoked identities past `days`; how many of each.
+    pub async fn prune(&self, days: u32) -> Result<(u64, u64), RegistryError> {
+        Ok((self.jobs.prune_finished(days).await?, self.identities.prune_revoked(days).await?))
+    }
+
+    /// The job reaper's pass (`JobStore::reap`).
+    pub async fn reap(&self) -> Result<Reaped, RegistryError> {
+        self.jobs.reap().await
+    }
+
+    /// Whether Redis answers.
+    pub async fn ping(&self) -> Result<(), RegistryError> {
+        self.sessions.ping().await
+    }
+
+    /// The jobs by state (metrics).
+    pub async fn census(&self) -> Result<JobCensus, RegistryError> {
+        self.jobs.census().await
+    }
+
+    /// How many live identities hold a session now (metrics).
+    pub async fn online(&self) -> Result<usize, RegistryError> {
+        let addresses = self.identities.all_addresses().await?;
+        self.sessions.count_live(&addresses).await
+    }
 }
 
 impl RunRegistry {

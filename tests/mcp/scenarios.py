@@ -281,32 +281,29 @@ async def resources(args: argparse.Namespace) -> dict[str, Any]:
         out["mime"] = before.contents[0].mime_type
         out["before"] = table(before)
         out["bad_uri"] = await rpc(code.read_resource("prism://Not_A_NS/projects/x"))
-        async with connect(args, "claude-ai") as desk:
-            if args.mode == "legacy":
-                out["subscribed"] = str(await code.subscribe_resource(uri))
-                await asyncio.sleep(1.0)  # the GET stream reads the subscription
-                t0 = time.monotonic()
-                out["desk_start"] = await call(desk, "prism_start", {"project_id": args.project, "namespace": ns})
-                for _ in range(100):
-                    if updates:
-                        break
-                    await asyncio.sleep(0.1)
-                out["updates"] = [u for u, _ in updates]
-                out["latency_ms"] = round((updates[0][1] - t0) * 1000) if updates else None
-            else:
-                async with code.listen(resource_subscriptions=[uri, "file:///etc/passwd"]) as sub:
-                    out["honored"] = sub.honored.resource_subscriptions
-                    t0 = time.monotonic()
-                    out["desk_start"] = await call(desk, "prism_start", {"project_id": args.project, "namespace": ns})
-                    event = await asyncio.wait_for(sub.__anext__(), 10)
-                    out["updates"] = [event.uri]
-                    out["latency_ms"] = round((time.monotonic() - t0) * 1000)
+        out.update(await preempt_followed(args, code, updates, uri, args.project, [uri, "file:///etc/passwd"]))
         out["after"] = table(await code.read_resource(uri))
         if args.mode == "legacy":
             out["unsubscribed"] = str(await code.unsubscribe_resource(uri))
             # A session follows at most 32 resources.
             many = [await rpc(code.subscribe_resource(f"prism://{ns}/projects/many-{i}")) for i in range(33)]
             out["many"] = ["ok" if "result" in r else r["rpc_error"]["data"]["error"]["code"] for r in many]
+    # The same race again, on fresh projects and clients: the preemption is sent the
+    # moment the subscribe (listen) is answered, and must still be notified.
+    out["rounds"] = []
+    for k in range(ROUNDS):
+        project = f"{args.project}~{k}"
+        project_uri = f"prism://{ns}/projects/{quote(project, safe='')}"
+        got: list[tuple[str, float]] = []
+
+        async def collect(message: Any, got: list[tuple[str, float]] = got) -> None:
+            if getattr(message, "method", None) == "notifications/resources/updated":
+                got.append((message.params.uri, time.monotonic()))
+
+        async with connect(args, "claude-code", message_handler=collect) as code:
+            await call(code, "prism_start", {"project_id": project, "namespace": ns})
+            round_ = await preempt_followed(args, code, got, project_uri, project, [project_uri])
+            out["rounds"].append({"uri": project_uri, "updates": round_["updates"], "ms": round_["latency_ms"]})
     if args.outsider_token:
         async with connect(args, "claude-code", token=args.outsider_token) as outsider:
             out["outsider_read"] = await rpc(outsider.read_resource(uri))
@@ -319,6 +316,46 @@ async def resources(args: argparse.Namespace) -> dict[str, Any]:
                         out["outsider_listen"] = {"events": [e.uri async for e in sub]}
                 except Exception as e:  # noqa: BLE001 - the refusal is what is recorded
                     out["outsider_listen"] = {"refused": type(e).__name__, "message": str(e)}
+    return out
+
+
+ROUNDS = 5
+
+
+async def preempt_followed(
+    args: argparse.Namespace, code: Any, updates: list[tuple[str, float]], uri: str, project: str, follow: list[str]
+) -> dict[str, Any]:
+    """`code` follows `uri` (resources/subscribe, legacy; subscriptions/listen with
+    `follow`, modern), and the moment it is answered a desktop session preempts the
+    project. What was notified within 20 s (a bound, not a wait), and how soon; and the
+    client's requests (which replica, which method), to read a failure by."""
+    out: dict[str, Any] = {}
+    start = {"project_id": project, "namespace": args.namespace}
+    async with connect(args, "claude-ai") as desk:
+        if args.mode == "legacy":
+            out["subscribed"] = str(await code.subscribe_resource(uri))
+            t0 = time.monotonic()
+            out["desk_start"] = await call(desk, "prism_start", start)
+            for _ in range(200):
+                if updates:
+                    break
+                await asyncio.sleep(0.1)
+            out["updates"] = [u for u, _ in updates]
+            out["latency_ms"] = round((updates[0][1] - t0) * 1000) if updates else None
+        else:
+            async with code.listen(resource_subscriptions=follow) as sub:
+                out["honored"] = sub.honored.resource_subscriptions
+                t0 = time.monotonic()
+                out["desk_start"] = await call(desk, "prism_start", start)
+                try:
+                    event = await asyncio.wait_for(sub.__anext__(), 20)
+                    out["updates"] = [event.uri]
+                    out["latency_ms"] = round((time.monotonic() - t0) * 1000)
+                except TimeoutError:
+                    out["updates"] = []
+                    out["latency_ms"] = None
+    if not out["updates"]:
+        out["requests"] = code.http_log
     return out
 
 

@@ -22,7 +22,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use rmcp::model::{ClientJsonRpcMessage, ClientRequest, ErrorData, JsonRpcError, RequestId};
+use rmcp::model::{ClientJsonRpcMessage, ClientRequest, ErrorData, JsonRpcError, RequestId, SubscriptionFilter};
 use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use serde_json::Value;
@@ -118,6 +118,13 @@ impl Endpoint {
         })?;
         let peeked = parse(&bytes).map_err(|r| *r)?;
         let json_body = declares_json(&parts.headers);
+        // rmcp acknowledges a listen before its handler runs: where the followed projects
+        // stand is read here, before, so that a change in between is notified.
+        if let Some(requested) = &peeked.listen
+            && let Some(baseline) = resources::baseline(&self.state, &caller, requested).await
+        {
+            parts.extensions.insert(baseline);
+        }
         parts.extensions.insert(caller.clone());
         if let Some(facts) = facts {
             parts.extensions.insert(facts);
@@ -194,7 +201,7 @@ fn rpc_error(status: StatusCode, id: Option<RequestId>, error: ErrorData) -> Ref
 }
 
 /// The little the gate reads of a message before rmcp parses it in full: the method
-/// (is it `initialize`?) and the id (for a refusal).
+/// (is it `initialize`, or `subscriptions/listen`?) and the id (for a refusal).
 #[derive(serde::Deserialize)]
 struct Peek<'a> {
     #[serde(borrow, default)]
@@ -209,6 +216,8 @@ struct Peeked {
     id: Option<RequestId>,
     /// `clientInfo.name` of an `initialize` request.
     initialize: Option<String>,
+    /// What a `subscriptions/listen` request asks to follow.
+    listen: Option<SubscriptionFilter>,
 }
 
 /// Reads the body as far as the gate needs: a refusal (a JSON-RPC error, never a 5xx)
@@ -243,7 +252,18 @@ fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
         },
         _ => None,
     };
-    Ok(Peeked { id: peek.id, initialize })
+    // A malformed listen is rmcp's to refuse; the gate only reads what a good one asks.
+    let listen = match peek.method.as_deref() {
+        Some("subscriptions/listen") => match serde_json::from_slice::<ClientJsonRpcMessage>(bytes) {
+            Ok(ClientJsonRpcMessage::Request(request)) => match request.request {
+                ClientRequest::SubscriptionsListenRequest(listen) => Some(listen.params.notifications),
+                _ => None,
+            },
+            _ => None,
+        },
+        _ => None,
+    };
+    Ok(Peeked { id: peek.id, initialize, listen })
 }
 
 fn invalid_message(id: Option<RequestId>, error: &dyn std::fmt::Display) -> Refused {
@@ -319,6 +339,20 @@ mod tests {
         let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
         let parsed = parse(&Bytes::from(call.to_string())).expect("valid");
         assert_eq!((parsed.initialize, parsed.id), (None, Some(RequestId::Number(2))));
+    }
+
+    #[test]
+    fn a_listen_says_what_it_follows() {
+        let body = serde_json::json!({
+            "jsonrpc": "2.0", "id": 3, "method": "subscriptions/listen",
+            "params": {"notifications": {"resourceSubscriptions": ["prism://agents/projects/shop"]}}
+        });
+        let parsed = parse(&Bytes::from(body.to_string())).expect("valid");
+        let requested = parsed.listen.expect("a listen");
+        assert_eq!(requested.resource_subscriptions, Some(vec!["prism://agents/projects/shop".to_string()]));
+        // Malformed: rmcp refuses it; the gate reads nothing of it.
+        let bad = serde_json::json!({"jsonrpc": "2.0", "id": 4, "method": "subscriptions/listen", "params": 7});
+        assert!(parse(&Bytes::from(bad.to_string())).expect("rmcp's to refuse").listen.is_none());
     }
 
     #[test]

@@ -71,7 +71,7 @@ impl ProjectUri {
         let project_id =
             percent_decode_str(encoded).decode_utf8().map_err(|_| bad("the project id is not UTF-8 once decoded"))?;
         check_namespace(namespace)?;
-        check_identifier("project_id", &project_id, 128)?;
+        check_identifier("project_id", &project_id, crate::crd::PROJECT_ID_MAX)?;
         Ok(ProjectUri::new(namespace, &project_id))
     }
 
@@ -190,24 +190,73 @@ impl Follower {
     }
 }
 
+/// Where followed projects stood when the caller was told it follows them: read before
+/// a listen is acknowledged (the gate, `baseline`), or at a subscribe (kept with the
+/// subscription). A stream compares its first look with it, so a change made between
+/// the caller's "you follow it" and the stream's first read is notified, not taken for
+/// the starting point.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Baseline(pub HashMap<ProjectKey, ChangeId>);
+
+/// Reads the baseline of a listen before rmcp acknowledges it (it acknowledges before
+/// the handler runs): the projects of the part of `requested` that is honoured, once
+/// the caller may read every namespace named. None when it may not: the listen is
+/// refused anyway, and nothing is looked up for it.
+pub async fn baseline(state: &AppState, caller: &Caller, requested: &SubscriptionFilter) -> Option<Baseline> {
+    let projects: Vec<ProjectKey> = accepted(requested)
+        .resource_subscriptions
+        .iter()
+        .flatten()
+        .filter_map(|uri| ProjectUri::parse(uri).ok())
+        .map(|p| p.0)
+        .collect();
+    let mut namespaces: Vec<&str> = projects.iter().map(|p| p.namespace.as_str()).collect();
+    namespaces.sort_unstable();
+    namespaces.dedup();
+    for namespace in namespaces {
+        state.auth.authorize(caller, "list", RESOURCE, namespace).await.ok()?;
+    }
+    let mut seen = HashMap::new();
+    for project in projects {
+        if let Ok(now) = state.agents.routing_change(&project.namespace, &project.project_id, None).await {
+            seen.insert(project, now.id);
+        }
+    }
+    Some(Baseline(seen))
+}
+
 /// The changes of projects one stream follows: which of them changed since it last
-/// looked (`term.seq`), the first look setting where each stands.
+/// looked (`term.seq`), from a project's baseline when it has one, else from the first
+/// look.
 #[derive(Default)]
 pub struct Changes {
     seen: HashMap<ProjectKey, ChangeId>,
 }
 
 impl Changes {
-    /// The projects whose change id is not the one seen last (none on the first look at
-    /// a project). A project that could not be read counts as unchanged until it can.
-    pub async fn look(&mut self, state: &AppState, projects: &[ProjectKey]) -> Vec<ProjectKey> {
+    /// Where `project` stood when its follower was told it follows it, unless this
+    /// stream has looked at it since.
+    pub fn known(&mut self, project: ProjectKey, id: ChangeId) {
+        self.seen.entry(project).or_insert(id);
+    }
+
+    /// Whether `now` is a change of `project` since it was last seen or known (not on
+    /// the first sight of one without a baseline); `now` is then where it stands.
+    fn changed(&mut self, project: &ProjectKey, now: ChangeId) -> bool {
+        self.seen.insert(project.clone(), now).is_some_and(|before| before != now)
+    }
+
+    /// The projects whose change id is not the one seen last (see `changed`), forgetting
+    /// those no longer followed. A project that could not be read counts as unchanged
+    /// until it can.
+    pub async fn look(&mut self, state: &AppState, projects: &[ProjectKey]) -> Vec<(ProjectKey, ChangeId)> {
         let mut changed = Vec::new();
         self.seen.retain(|p, _| projects.contains(p));
         for project in projects {
             match state.agents.routing_change(&project.namespace, &project.project_id, None).await {
                 Ok(now) => {
-                    if self.seen.insert(project.clone(), now.id).is_some_and(|before| before != now.id) {
-                        changed.push(project.clone());
+                    if self.changed(project, now.id) {
+                        changed.push((project.clone(), now.id));
                     }
                 }
                 Err(error) => debug!(namespace = %project.namespace, project_id = %project.project_id, %error,
@@ -230,7 +279,12 @@ pub async fn any_woken(waiters: &[crate::signals::Waiter<ProjectKey>]) {
 /// One `subscriptions/listen` (2026-07-28): `notifications/resources/updated` for each
 /// change of a followed project, until the client cancels, the caller is refused, or
 /// this replica stops (the final result: the client listens again, elsewhere).
-pub async fn listen(state: Arc<AppState>, follower: Follower, context: SubscriptionContext) -> Result<(), ErrorData> {
+pub async fn listen(
+    state: Arc<AppState>,
+    follower: Follower,
+    baseline: Baseline,
+    context: SubscriptionContext,
+) -> Result<(), ErrorData> {
     let uris: Vec<String> = context.accepted().resource_subscriptions.clone().unwrap_or_default();
     let mut by_project: HashMap<ProjectKey, Vec<String>> = HashMap::new();
     for uri in &uris {
@@ -246,13 +300,17 @@ pub async fn listen(state: Arc<AppState>, follower: Follower, context: Subscript
     }
     let waiters: Vec<_> = projects.iter().map(|p| state.signals.project_waiter(p)).collect();
     let mut changes = Changes::default();
+    for (project, id) in baseline.0 {
+        changes.known(project, id);
+    }
     let mut stopping = state.stopping.clone();
     let mut recheck = tokio::time::interval(RECHECK_EVERY);
     recheck.tick().await;
+    crate::failpoints::delay("mcp-listen-start").await;
     loop {
         // Armed before the look, so a change committed during it wakes the next one.
         let woken = any_woken(&waiters);
-        for project in changes.look(&state, &projects).await {
+        for (project, _) in changes.look(&state, &projects).await {
             for uri in by_project.get(&project).into_iter().flatten() {
                 let notification = ServerNotification::ResourceUpdatedNotification(ResourceUpdatedNotification::new(
                     ResourceUpdatedNotificationParam::new(uri.clone()),
@@ -278,6 +336,29 @@ pub async fn listen(state: Arc<AppState>, follower: Follower, context: Subscript
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_change_since_the_baseline_is_one_and_the_first_sight_without_one_is_not() {
+        let id = |term, seq| ChangeId { term, seq };
+        let p = ProjectUri::new("agents", "shop").0;
+        let q = ProjectUri::new("agents", "web").0;
+        let mut changes = Changes::default();
+        // Preempted between the acknowledgement and the first look: notified.
+        changes.known(p.clone(), id(1, 3));
+        assert!(changes.changed(&p, id(2, 4)));
+        assert!(!changes.changed(&p, id(2, 4)), "seen now: no second notification");
+        // A baseline never overrides what the stream has seen since.
+        changes.known(p.clone(), id(1, 3));
+        assert!(!changes.changed(&p, id(2, 4)));
+        assert!(changes.changed(&p, id(2, 5)));
+        // No baseline (it could not be read): the first look is where it starts.
+        assert!(!changes.changed(&q, id(7, 1)));
+        assert!(changes.changed(&q, id(7, 2)));
+        // Unchanged since the baseline: nothing to tell.
+        let mut fresh = Changes::default();
+        fresh.known(q.clone(), id(7, 2));
+        assert!(!fresh.changed(&q, id(7, 2)));
+    }
 
     #[test]
     fn a_uri_names_one_project_and_round_trips() {

@@ -30,6 +30,7 @@ use tracing::{debug, warn};
 
 use super::SessionFacts;
 use super::resources::{Changes, Follower, MAX_FOLLOWED, ProjectUri, any_woken};
+use crate::agent_sessions::ChangeId;
 use crate::api::agents::RESOURCE;
 use crate::api::auth::Caller;
 use crate::api::watch::{KEEPALIVE, RECHECK_EVERY, stopped};
@@ -56,6 +57,15 @@ pub struct Followed {
     pub uri: String,
     pub namespace: String,
     pub project_id: String,
+    seen_term: Option<i64>,
+    seen_seq: Option<i64>,
+}
+
+impl Followed {
+    /// Where the project stood when the session was last told of it (see `Baseline`).
+    pub fn seen(&self) -> Option<ChangeId> {
+        Some(ChangeId { term: self.seen_term?, seq: self.seen_seq? })
+    }
 }
 
 impl Subscriptions {
@@ -63,12 +73,20 @@ impl Subscriptions {
         Subscriptions { pool }
     }
 
-    /// Follows `uri` for the session; false when the session or its owner holds all it
-    /// may. Subscribing again renews.
-    pub async fn subscribe(&self, session: &SessionFacts, uri: &str, project: &ProjectUri) -> Result<bool, QueryError> {
+    /// Follows `uri` for the session from where the project stands (`seen`, if it could
+    /// be read); false when the session or its owner holds all it may. Subscribing
+    /// again renews, and keeps where the session was last told of it.
+    pub async fn subscribe(
+        &self,
+        session: &SessionFacts,
+        uri: &str,
+        project: &ProjectUri,
+        seen: Option<ChangeId>,
+    ) -> Result<bool, QueryError> {
         let added: Option<i32> = sqlx::query_scalar(
-            "INSERT INTO mcp_subscriptions (session_digest, owner_digest, uri, namespace, project_id)
-             SELECT $1, $2, $3, $4, $5
+            "INSERT INTO mcp_subscriptions (session_digest, owner_digest, uri, namespace, project_id,
+                                            seen_term, seen_seq)
+             SELECT $1, $2, $3, $4, $5, $8, $9
               WHERE EXISTS (SELECT 1 FROM mcp_subscriptions WHERE session_digest = $1 AND uri = $3)
                  OR ((SELECT count(*) FROM mcp_subscriptions WHERE session_digest = $1) < $6
                      AND (SELECT count(*) FROM mcp_subscriptions WHERE owner_digest = $2) < $7)
@@ -82,6 +100,8 @@ impl Subscriptions {
         .bind(&project.0.project_id)
         .bind(MAX_FOLLOWED as i64)
         .bind(MAX_PER_OWNER)
+        .bind(seen.map(|id| id.term))
+        .bind(seen.map(|id| id.seq))
         .fetch_optional(&self.pool)
         .await
         .step("mcp: subscribe")?;
@@ -115,15 +135,32 @@ impl Subscriptions {
     pub async fn followed(&self, session: &SessionFacts, renew: bool) -> Result<Vec<Followed>, QueryError> {
         let sql = if renew {
             "UPDATE mcp_subscriptions SET renewed_at = now() WHERE session_digest = $1
-             RETURNING uri, namespace, project_id"
+             RETURNING uri, namespace, project_id, seen_term, seen_seq"
         } else {
-            "SELECT uri, namespace, project_id FROM mcp_subscriptions WHERE session_digest = $1"
+            "SELECT uri, namespace, project_id, seen_term, seen_seq FROM mcp_subscriptions WHERE session_digest = $1"
         };
         sqlx::query_as(sql)
             .bind(&session.id_digest)
             .fetch_all(&self.pool)
             .await
             .step("mcp: read a session's subscriptions")
+    }
+
+    /// The session was told of `project` as it stands at `id`.
+    async fn told(&self, session: &SessionFacts, project: &ProjectKey, id: ChangeId) -> Result<(), QueryError> {
+        sqlx::query(
+            "UPDATE mcp_subscriptions SET seen_term = $4, seen_seq = $5
+              WHERE session_digest = $1 AND namespace = $2 AND project_id = $3",
+        )
+        .bind(&session.id_digest)
+        .bind(&project.namespace)
+        .bind(&project.project_id)
+        .bind(id.term)
+        .bind(id.seq)
+        .execute(&self.pool)
+        .await
+        .step("mcp: note what a session was told")?;
+        Ok(())
     }
 
     /// Drops the session's subscriptions in `namespace` (its caller may no longer read it).
@@ -168,7 +205,9 @@ pub async fn subscribe(
     let project = ProjectUri::parse(uri)?;
     state.auth.authorize(caller, "list", RESOURCE, &project.0.namespace).await?;
     let session = session.ok_or_else(no_session)?;
-    if !state.mcp.subscriptions.subscribe(session, uri, &project).await? {
+    // Read before the row is written: a change from here on is notified (`Baseline`).
+    let seen = state.agents.routing_change(&project.0.namespace, &project.0.project_id, None).await.ok().map(|c| c.id);
+    if !state.mcp.subscriptions.subscribe(session, uri, &project, seen).await? {
         return Err(ApiError::quota_exceeded(format!(
             "this session follows {MAX_FOLLOWED} resources (or your sessions {MAX_PER_OWNER}); unsubscribe first"
         )));
@@ -220,6 +259,7 @@ impl SessionStream {
             // Armed before the reads, so a change during them wakes the next round.
             let resubscribed = session_waiter.armed().woken();
             tokio::pin!(resubscribed);
+            crate::failpoints::delay("mcp-session-stream-read").await;
             let followed = match state.mcp.subscriptions.followed(&self.session, std::mem::take(&mut renewing)).await {
                 Ok(followed) => followed,
                 Err(error) => {
@@ -230,20 +270,27 @@ impl SessionStream {
             };
             let mut uris: HashMap<ProjectKey, Vec<String>> = HashMap::new();
             for f in followed {
-                let key = ProjectKey { namespace: f.namespace, project_id: f.project_id };
+                let key = ProjectKey { namespace: f.namespace.clone(), project_id: f.project_id.clone() };
+                if let Some(id) = f.seen() {
+                    changes.known(key.clone(), id);
+                }
                 uris.entry(key).or_default().push(f.uri);
             }
             let projects: Vec<ProjectKey> = uris.keys().cloned().collect();
             let waiters: Vec<_> = projects.iter().map(|p| state.signals.project_waiter(p)).collect();
             loop {
                 let woken = any_woken(&waiters);
-                for project in changes.look(state, &projects).await {
+                for (project, id) in changes.look(state, &projects).await {
                     for uri in uris.get(&project).into_iter().flatten() {
                         let message = json!({"jsonrpc": "2.0", "method": "notifications/resources/updated",
                                              "params": {"uri": uri}});
                         if self.tx.send(Event::default().event("message").data(message.to_string())).await.is_err() {
                             return;
                         }
+                    }
+                    // A stream opened later starts from here; told again at worst.
+                    if let Err(error) = state.mcp.subscriptions.told(&self.session, &project, id).await {
+                        debug!(%error, "mcp: what a session was told could not be noted");
                     }
                 }
                 // Only a change looks again; a recheck that passes goes back to waiting.

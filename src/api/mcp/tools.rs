@@ -34,6 +34,7 @@ use crate::election::store::{Nudge, NudgeKind};
 use crate::run_registry::RunAddress;
 use crate::run_registry::jobs::{IDEMPOTENCY_KEY_PATTERN, JobFence, JobKind, JobState, NewJob, idempotency_key_ok};
 use crate::run_registry::service::{check_address, check_jsonb};
+use prism_core::limits::{COMPONENT_KIND_MAX, NAMESPACE_MAX, PROJECT_ID_MAX, SERVER_INSTANCE_ID_MAX, SESSION_ID_MAX};
 
 /// The header that names a call's namespace when its arguments do not.
 pub const NAMESPACE_HEADER: &str = "x-prism-namespace";
@@ -105,12 +106,12 @@ impl ToolName {
     }
 
     fn build_definition(self) -> Tool {
-        let namespace = json!({"type": "string", "description": "Kubernetes namespace of the project (default: the X-Prism-Namespace header, else your ServiceAccount's namespace)", "maxLength": 63});
+        let namespace = json!({"type": "string", "description": "Kubernetes namespace of the project (default: the X-Prism-Namespace header, else your ServiceAccount's namespace)", "maxLength": NAMESPACE_MAX});
         let session = |required: bool| {
-            json!({"type": "string", "minLength": 1, "maxLength": 256, "pattern": PRINTABLE_PATTERN, "description":
+            json!({"type": "string", "minLength": 1, "maxLength": SESSION_ID_MAX, "pattern": PRINTABLE_PATTERN, "description":
                 if required { KEEP_SESSION } else { "Your session_id from prism_start, if you have one. Omit it on the first call: a new one is minted and returned." }})
         };
-        let project = json!({"type": "string", "minLength": 1, "maxLength": 128, "pattern": PRINTABLE_PATTERN, "description": "The project (the same id every session of the project uses)"});
+        let project = json!({"type": "string", "minLength": 1, "maxLength": PROJECT_ID_MAX, "pattern": PRINTABLE_PATTERN, "description": "The project (the same id every session of the project uses)"});
         let (description, properties, required): (&str, Value, &[&str]) = match self {
             ToolName::Start => (
                 "Join a project for this task. Call it ONCE per task, at the start; keep the returned session_id and pass it to every later prism call. Returns whether you are master (the one session that may act as the project's controller) or a peer, the election term, and the routing table. Starting on another project leaves the previous one.",
@@ -147,12 +148,12 @@ impl ToolName {
             ToolName::Enqueue => (
                 "As master, queue machine work for a Run (a server's component), fenced with your master term: if another session becomes master before a machine claims it, it is cancelled and never runs. Fails with not_master if you are not master. Returns the job; read it later with prism_job.",
                 json!({
-                    "server_instance_id": {"type": "string", "minLength": 1, "maxLength": 253, "pattern": "^[A-Za-z0-9._-]+$", "description": "The server the Run is on"},
-                    "component_kind": {"type": "string", "minLength": 1, "maxLength": 63, "pattern": "^[a-z0-9-]+$", "description": "The Run's component (e.g. run)"},
+                    "server_instance_id": {"type": "string", "minLength": 1, "maxLength": SERVER_INSTANCE_ID_MAX, "pattern": "^[A-Za-z0-9._-]+$", "description": "The server the Run is on"},
+                    "component_kind": {"type": "string", "minLength": 1, "maxLength": COMPONENT_KIND_MAX, "pattern": "^[a-z0-9-]+$", "description": "The Run's component (e.g. run)"},
                     "kind": {"type": "string", "enum": JobKind::ALL.iter().map(|k| k.as_str()).collect::<Vec<_>>()},
                     "payload": {"type": "object", "description": "What the Run needs to do the work"},
                     "session_id": session(true),
-                    "run_namespace": {"type": "string", "maxLength": 63, "description": "The namespace of the RunSession"},
+                    "run_namespace": {"type": "string", "maxLength": NAMESPACE_MAX, "description": "The namespace of the RunSession"},
                     "idempotency_key": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": IDEMPOTENCY_KEY_PATTERN, "description": "Repeat a call with the same key to get the same job instead of a second one"},
                     "namespace": namespace,
                 }),
@@ -162,7 +163,7 @@ impl ToolName {
                 "Read a job: its state (queued, claimed, running, succeeded, failed, cancelled), attempts, progress, result and last error.",
                 json!({
                     "job_id": {"type": "string", "format": "uuid", "description": "The id prism_enqueue returned"},
-                    "run_namespace": {"type": "string", "maxLength": 63, "description": "The namespace of the job's RunSession"},
+                    "run_namespace": {"type": "string", "maxLength": NAMESPACE_MAX, "description": "The namespace of the job's RunSession"},
                     "session_id": session(false),
                     "namespace": namespace,
                 }),
@@ -528,9 +529,9 @@ impl PrismTools {
     }
 
     async fn start(&self, args: StartArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_identifier("project_id", &args.project_id, 128)?;
+        check_identifier("project_id", &args.project_id, PROJECT_ID_MAX)?;
         if let Some(s) = &args.session_id {
-            check_identifier("session_id", s, 256)?;
+            check_identifier("session_id", s, SESSION_ID_MAX)?;
         }
         let namespace = self.authorize(ToolName::Start, args.namespace, cx).await?;
         // The argument always wins over what the client's name suggests.
@@ -569,7 +570,7 @@ impl PrismTools {
     }
 
     async fn wrap(&self, args: SessionArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_identifier("session_id", &args.session_id, 256)?;
+        check_identifier("session_id", &args.session_id, SESSION_ID_MAX)?;
         let namespace = self.authorize(ToolName::Wrap, args.namespace, cx).await?;
         let agents = &self.state.agents;
         let row = agents.live_session(&namespace, &args.session_id).await?;
@@ -594,9 +595,9 @@ impl PrismTools {
     }
 
     async fn status(&self, args: StatusArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_identifier("project_id", &args.project_id, 128)?;
+        check_identifier("project_id", &args.project_id, PROJECT_ID_MAX)?;
         if let Some(s) = &args.session_id {
-            check_identifier("session_id", s, 256)?;
+            check_identifier("session_id", s, SESSION_ID_MAX)?;
         }
         let namespace = self.authorize(ToolName::Status, args.namespace, cx).await?;
         let session = match &args.session_id {
@@ -616,7 +617,7 @@ impl PrismTools {
     }
 
     async fn heartbeat(&self, args: SessionArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_identifier("session_id", &args.session_id, 256)?;
+        check_identifier("session_id", &args.session_id, SESSION_ID_MAX)?;
         let namespace = self.authorize(ToolName::Heartbeat, args.namespace, cx).await?;
         self.state.metrics.heartbeats.inc();
         let live = self.state.agents.heartbeat(&namespace, &args.session_id, &cx.caller.username).await?;
@@ -640,9 +641,9 @@ impl PrismTools {
     }
 
     async fn fence(&self, args: FenceArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_identifier("project_id", &args.project_id, 128)?;
+        check_identifier("project_id", &args.project_id, PROJECT_ID_MAX)?;
         if let Some(s) = &args.session_id {
-            check_identifier("session_id", s, 256)?;
+            check_identifier("session_id", s, SESSION_ID_MAX)?;
         }
         let namespace = self.authorize(ToolName::Fence, args.namespace, cx).await?;
         // The term first: a refused call (stale_term) changes nothing, not even a heartbeat.
@@ -668,7 +669,7 @@ impl PrismTools {
     /// SPEC §5.1: machine work fenced with the calling session's master term. Everything
     /// that can refuse is asked before anything changes; the heartbeat comes last.
     async fn enqueue(&self, args: EnqueueArgs, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
-        check_identifier("session_id", &args.session_id, 256)?;
+        check_identifier("session_id", &args.session_id, SESSION_ID_MAX)?;
         check_namespace(&args.run_namespace)?;
         check_address(&args.server_instance_id, &args.component_kind).map_err(|e| ApiError::invalid(e.0))?;
         let payload = Value::Object(args.payload);
@@ -724,7 +725,7 @@ impl PrismTools {
         let id = Uuid::parse_str(&args.job_id).map_err(|_| ApiError::invalid("job_id must be a uuid"))?;
         check_namespace(&args.run_namespace)?;
         if let Some(s) = &args.session_id {
-            check_identifier("session_id", s, 256)?;
+            check_identifier("session_id", s, SESSION_ID_MAX)?;
         }
         self.state.auth.authorize(cx.caller, "get", "runsessions", &args.run_namespace).await?;
         let session = match &args.session_id {
@@ -734,7 +735,7 @@ impl PrismTools {
             }
             None => None,
         };
-        let Some(job) = self.state.registry.jobs.get(&args.run_namespace, id).await? else {
+        let Some(job) = self.state.registry.job(&args.run_namespace, id).await? else {
             return Err(ApiError::not_found(
                 "job_not_found",
                 format!("no job {id} in namespace {}", args.run_namespace),
@@ -819,7 +820,9 @@ impl ServerHandler for PrismTools {
             headers: crate::api::watch::auth_headers(&parts.headers),
             peer: peer_of(parts),
         };
-        resources::listen(self.state.clone(), follower, context).await
+        // Read by the gate before rmcp acknowledged the listen; none if it could not be.
+        let baseline = parts.extensions.get::<resources::Baseline>().cloned().unwrap_or_default();
+        resources::listen(self.state.clone(), follower, baseline, context).await
     }
 
     // rmcp marks these legacy-only (2026-07-28 has `listen`); SPEC §11 serves both.

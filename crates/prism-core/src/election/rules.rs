@@ -7,8 +7,8 @@ use std::cmp::Ordering;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::crd::{AgentSurface, ReleaseReason};
-use crate::db::text_enum;
+use super::{AgentSurface, ReleaseReason};
+use crate::text_enum;
 
 /// A live registration as the election sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,6 +47,11 @@ text_enum! {
         StaleHeartbeatIncident = "stale_heartbeat_incident",
     }
 }
+
+#[cfg(feature = "sqlx")]
+crate::sqlx_text!(Cause);
+#[cfg(feature = "utoipa")]
+crate::utoipa_text!(Cause);
 
 impl From<ReleaseReason> for Cause {
     fn from(reason: ReleaseReason) -> Self {
