@@ -10,7 +10,8 @@ ARG RUNTIME_IMAGE=gcr.io/distroless/cc-debian12:nonroot
 
 FROM ${BUILD_IMAGE} AS build
 WORKDIR /src
-COPY Cargo.toml Cargo.lock ./
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY crates ./crates
 COPY src ./src
 COPY migrations ./migrations
 COPY benches ./benches
