@@ -210,19 +210,35 @@ pub async fn baseline(state: &AppState, caller: &Caller, requested: &Subscriptio
         .filter_map(|uri| ProjectUri::parse(uri).ok())
         .map(|p| p.0)
         .collect();
-    let mut namespaces: Vec<&str> = projects.iter().map(|p| p.namespace.as_str()).collect();
-    namespaces.sort_unstable();
-    namespaces.dedup();
-    for namespace in namespaces {
-        state.auth.authorize(caller, "list", RESOURCE, namespace).await.ok()?;
-    }
+    authorize_namespaces(state, caller, &projects).await.ok()?;
     let mut seen = HashMap::new();
     for project in projects {
-        if let Ok(now) = state.agents.routing_change(&project.namespace, &project.project_id, None).await {
-            seen.insert(project, now.id);
+        match state.agents.routing_change(&project.namespace, &project.project_id, None).await {
+            Ok(now) => {
+                seen.insert(project, now.id);
+            }
+            // Without a baseline the stream's first look is where the project starts.
+            Err(error) => debug!(namespace = %project.namespace, project_id = %project.project_id, %error,
+                                 "mcp: a listen's baseline could not be read"),
         }
     }
     Some(Baseline(seen))
+}
+
+/// The namespaces of `projects`, once each, after checking that the caller may read
+/// every one (as status).
+async fn authorize_namespaces(
+    state: &AppState,
+    caller: &Caller,
+    projects: &[ProjectKey],
+) -> Result<Vec<String>, ApiError> {
+    let mut namespaces: Vec<String> = projects.iter().map(|p| p.namespace.clone()).collect();
+    namespaces.sort();
+    namespaces.dedup();
+    for namespace in &namespaces {
+        state.auth.authorize(caller, "list", RESOURCE, namespace).await?;
+    }
+    Ok(namespaces)
 }
 
 /// The changes of projects one stream follows: which of them changed since it last
@@ -292,12 +308,7 @@ pub async fn listen(
         by_project.entry(project.0).or_default().push(uri.clone());
     }
     let projects: Vec<ProjectKey> = by_project.keys().cloned().collect();
-    let mut namespaces: Vec<String> = projects.iter().map(|p| p.namespace.clone()).collect();
-    namespaces.sort();
-    namespaces.dedup();
-    for namespace in &namespaces {
-        state.auth.authorize(&follower.caller, "list", RESOURCE, namespace).await.map_err(|e| rpc_error(&e))?;
-    }
+    let namespaces = authorize_namespaces(&state, &follower.caller, &projects).await.map_err(|e| rpc_error(&e))?;
     let waiters: Vec<_> = projects.iter().map(|p| state.signals.project_waiter(p)).collect();
     let mut changes = Changes::default();
     for (project, id) in baseline.0 {

@@ -206,7 +206,14 @@ pub async fn subscribe(
     state.auth.authorize(caller, "list", RESOURCE, &project.0.namespace).await?;
     let session = session.ok_or_else(no_session)?;
     // Read before the row is written: a change from here on is notified (`Baseline`).
-    let seen = state.agents.routing_change(&project.0.namespace, &project.0.project_id, None).await.ok().map(|c| c.id);
+    let seen = match state.agents.routing_change(&project.0.namespace, &project.0.project_id, None).await {
+        Ok(change) => Some(change.id),
+        // Kept without one: the session's stream then starts from its first look.
+        Err(error) => {
+            warn!(%error, "mcp: a subscription's baseline could not be read");
+            None
+        }
+    };
     if !state.mcp.subscriptions.subscribe(session, uri, &project, seen).await? {
         return Err(ApiError::quota_exceeded(format!(
             "this session follows {MAX_FOLLOWED} resources (or your sessions {MAX_PER_OWNER}); unsubscribe first"
