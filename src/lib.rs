@@ -3,16 +3,16 @@
 
 // Domain: resource types, the election (pure rules + Postgres), the registry of Runs
 // (proofs, Redis leases, durable jobs).
-pub mod crd;
+pub use prism_kube::crd;
 pub mod election;
 pub mod run_registry;
 // Services over the domain: what agents ask for, and the signal that a resource's
 // status must be refreshed.
 pub mod agent_sessions;
 pub mod refresh;
-// Kubernetes glue: reconcilers and the Lease that picks the replica running them.
-pub mod leader;
-pub mod reconcilers;
+// Kubernetes glue (the prism-kube crate): reconcilers and the Lease that picks the
+// replica running them.
+pub use prism_kube::{leader, reconcilers};
 // The HTTP API, the listener that serves it (TLS, server limits), and the client a Run
 // uses to speak it.
 pub mod api;
@@ -26,7 +26,7 @@ pub mod db;
 pub mod failpoints;
 pub mod json_int;
 pub mod telemetry;
-pub mod time;
+pub use prism_kube::time;
 
 // Strategies for the property tests of every input (tests only).
 #[cfg(test)]

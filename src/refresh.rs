@@ -19,6 +19,7 @@ use tracing::warn;
 
 use crate::crd::{ControllerRegistration, RunSession};
 use crate::db::{QueryError, Step};
+pub use crate::reconcilers::Receivers;
 
 /// A namespaced resource, named as Kubernetes names it.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -86,15 +87,6 @@ pub async fn announce_now<'a>(
 ) -> Result<(), QueryError> {
     let mut conn = pool.acquire().await.step("refresh: acquire a connection")?;
     announce(&mut conn, kind, resources).await
-}
-
-/// What the reconcilers receive: single resources, and "everything of this kind" each
-/// time the listener (re)connects.
-pub struct Receivers {
-    pub registrations: mpsc::UnboundedReceiver<ObjectRef<ControllerRegistration>>,
-    pub run_sessions: mpsc::UnboundedReceiver<ObjectRef<RunSession>>,
-    pub all_registrations: mpsc::UnboundedReceiver<()>,
-    pub all_run_sessions: mpsc::UnboundedReceiver<()>,
 }
 
 struct Senders {

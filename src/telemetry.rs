@@ -188,15 +188,6 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn reconciled(&self, controller: &str, took: Duration, failed: bool) {
-        let labels = ControllerLabels { controller: controller.to_string() };
-        self.reconciles.get_or_create(&labels).inc();
-        self.reconcile_seconds.get_or_create(&labels).observe(took.as_secs_f64());
-        if failed {
-            self.reconcile_errors.get_or_create(&labels).inc();
-        }
-    }
-
     pub fn set_up(&self, dependency: &str, up: bool) {
         self.up.get_or_create(&DependencyLabels { dependency: dependency.to_string() }).set(i64::from(up));
     }
@@ -235,13 +226,6 @@ impl Metrics {
         }
     }
 
-    /// `n` job attempts ended with `outcome`.
-    pub fn attempts_ended(&self, outcome: &str, n: u64) {
-        if n > 0 {
-            self.job_attempts.get_or_create(&OutcomeLabels { outcome: outcome.to_string() }).inc_by(n);
-        }
-    }
-
     /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -249,5 +233,24 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+}
+
+/// The reconcilers count through the same families (`prism_kube::reconcilers`).
+impl crate::reconcilers::ReconcileMetrics for Metrics {
+    fn reconciled(&self, controller: &str, took: Duration, failed: bool) {
+        let labels = ControllerLabels { controller: controller.to_string() };
+        self.reconciles.get_or_create(&labels).inc();
+        self.reconcile_seconds.get_or_create(&labels).observe(took.as_secs_f64());
+        if failed {
+            self.reconcile_errors.get_or_create(&labels).inc();
+        }
+    }
+
+    /// `n` job attempts ended with `outcome`.
+    fn attempts_ended(&self, outcome: &str, n: u64) {
+        if n > 0 {
+            self.job_attempts.get_or_create(&OutcomeLabels { outcome: outcome.to_string() }).inc_by(n);
+        }
     }
 }

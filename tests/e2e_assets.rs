@@ -9,6 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use prism_operator::election::Cause;
+use prism_operator::reconcilers::ReconcileMetrics as _;
 use prism_operator::telemetry::Metrics;
 use support::repo_root;
 

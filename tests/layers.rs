@@ -1,23 +1,24 @@
 //! The layers hold (issue 22). The domain crate (`prism-core`) links none of the outer
-//! layers' crates. Within the operator crate, no import cycle: a module's non-test code
-//! names other modules as `crate::…` or `super::…`, and following those names never
-//! leads back to where it started. A cycle would let any layer reach any other; this
-//! holds the line where the layers are not yet crates of the workspace, whose
-//! dependencies the compiler holds.
+//! layers' crates; the Kubernetes crate (`prism-kube`) none of the stores' or the API's.
+//! Within each crate, no import cycle: a module's non-test code names other modules as
+//! `crate::…` or `super::…`, and following those names never leads back to where it
+//! started. A cycle would let any layer reach any other; this holds the line within a
+//! crate, where the compiler does not (between crates it does).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Module path ("api::mcp", "" for the crate root) → the source of its non-test code.
-fn modules() -> BTreeMap<String, String> {
-    fn walk(dir: &Path, out: &mut BTreeMap<String, String>) {
+/// Module path ("api::mcp", "" for the crate root) → the source of its non-test code, of
+/// the crate whose `src` is `root`.
+fn modules(root: &Path) -> BTreeMap<String, String> {
+    fn walk(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
         let mut entries: Vec<_> = std::fs::read_dir(dir).expect("read src").flatten().map(|e| e.path()).collect();
         entries.sort();
         for path in entries {
             if path.is_dir() {
-                walk(&path, out);
+                walk(root, &path, out);
             } else if path.extension().is_some_and(|e| e == "rs") {
-                let rel = path.strip_prefix(concat!(env!("CARGO_MANIFEST_DIR"), "/src")).expect("under src");
+                let rel = path.strip_prefix(root).expect("under src");
                 let mut parts: Vec<String> =
                     rel.with_extension("").iter().map(|p| p.to_string_lossy().into_owned()).collect();
                 if matches!(parts.last().map(String::as_str), Some("mod" | "lib" | "main")) {
@@ -31,7 +32,7 @@ fn modules() -> BTreeMap<String, String> {
         }
     }
     let mut out = BTreeMap::new();
-    walk(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")), &mut out);
+    walk(root, root, &mut out);
     out
 }
 
@@ -113,10 +114,14 @@ fn cycles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
 
 #[test]
 fn the_modules_form_no_import_cycle() {
-    let modules = modules();
-    assert!(modules.contains_key("config") && modules.contains_key("api::mcp"), "the walk found the modules");
-    let found = cycles(&edges(&modules));
-    assert!(found.is_empty(), "import cycles among the crate's modules: {found:?}");
+    let operator = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")));
+    assert!(operator.contains_key("config") && operator.contains_key("api::mcp"), "the walk found the modules");
+    let found = cycles(&edges(&operator));
+    assert!(found.is_empty(), "import cycles among the operator crate's modules: {found:?}");
+    let kube = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/crates/prism-kube/src")));
+    assert!(kube.contains_key("reconcilers::registration"), "the walk found the modules");
+    let found = cycles(&edges(&kube));
+    assert!(found.is_empty(), "import cycles among prism-kube's modules: {found:?}");
 }
 
 #[test]
@@ -160,4 +165,17 @@ fn the_domain_crate_links_none_of_the_outer_layers() {
     for c in ["kube", "sqlx", "axum", "rmcp", "redis"] {
         assert!(operator.contains(c), "{c} not found in prism-operator's tree: the check reads the wrong thing");
     }
+}
+
+/// What the Kubernetes side must not link: the stores' and the API's crates. Its
+/// reconcilers drive the stores through prism-core's traits, which is what lets them be
+/// tested with no service (`cargo test -p prism-kube`).
+const STORES_AND_API: &[&str] = &["sqlx", "redis", "axum", "rmcp", "axum_server", "utoipa_axum"];
+
+#[test]
+fn the_kubernetes_crate_links_no_store_and_no_api() {
+    let kube = linked("prism-kube");
+    assert!(kube.contains("kube_runtime") && kube.contains("prism_core"), "the tree was read: {kube:?}");
+    let found: Vec<&&str> = STORES_AND_API.iter().filter(|c| kube.contains(**c)).collect();
+    assert!(found.is_empty(), "prism-kube links {found:?}; the stores belong behind prism-core's traits");
 }

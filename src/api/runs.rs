@@ -26,6 +26,7 @@ use super::error::{ApiBody, ApiError, ApiJson, ApiPath, ApiQuery, ClientAddr};
 use kube::Api;
 
 use crate::crd::RunSession;
+use crate::reconcilers::ReconcileMetrics as _;
 use crate::refresh::{self, NamespacedName};
 use crate::run_registry::identity::Identity;
 use crate::run_registry::jobs::{

@@ -17,6 +17,7 @@ use crate::election::ElectionStore;
 use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
 use crate::reconcilers;
 use crate::reconcilers::status::Written;
+use crate::refresh;
 use crate::run_registry::SessionStore;
 use crate::run_registry::identity::IdentityStore;
 use crate::run_registry::jobs::{JobSettings, JobStore};
@@ -192,7 +193,10 @@ fn start_leader_work(
     let namespace = args.watch_namespace.clone();
     let stale = args.peer_stale_minutes;
     let sweep_every = Duration::from_secs(u64::from(args.sweep_interval_seconds));
-    let leader_work = move || reconcilers::lead(ctx.clone(), namespace.clone(), stale, sweep_every);
+    let pool = election.pool().clone();
+    // Each term of leadership listens afresh (and so reconciles everything once).
+    let leader_work =
+        move || reconcilers::lead(ctx.clone(), refresh::listen(pool.clone()), namespace.clone(), stale, sweep_every);
     if args.leader_election {
         let cfg = crate::leader::LeaseConfig::from_env("prism-operator-leader");
         Some(tokio::spawn(crate::leader::run(kube.clone(), cfg, leader_work, async move {

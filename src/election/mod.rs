@@ -43,3 +43,20 @@ impl ElectionError {
         matches!(self, ElectionError::Database(e) if e.is_race())
     }
 }
+
+impl prism_core::store::Failure for ElectionError {
+    fn unavailable(&self) -> bool {
+        crate::db::MaybeUnavailable::is_unavailable(self)
+    }
+}
+
+impl prism_core::store::ElectionFailure for ElectionError {
+    fn refusal(&self) -> Option<prism_core::store::Refusal> {
+        use prism_core::store::Refusal;
+        match self {
+            ElectionError::NotOwned(session) => Some(Refusal::NotOwned(session.clone())),
+            ElectionError::QuotaExceeded(quota) => Some(Refusal::QuotaExceeded(*quota)),
+            _ => None,
+        }
+    }
+}

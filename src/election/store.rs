@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 use uuid::Uuid;
 
 use super::ElectionError;
-use crate::crd::{AgentSurface, ReleaseReason, Role};
+use crate::crd::{AgentSurface, ReleaseReason};
 use crate::db::{QueryError, Step, text_enum};
 use crate::refresh::{self, NamespacedName};
 use prism_core::election::{Candidate, Decision, Event, MasterChange, ProjectState, Transition, decide};
@@ -31,24 +31,8 @@ const SWEEP_LOCK_KEY: i64 = 0x7072_6973_6d5f_7377; // "prism_sw"
 const ID_INDEX: &str = "controller_registrations_pkey";
 const SESSION_INDEX: &str = "controller_registrations_one_live_per_session";
 
-#[derive(Clone, Debug)]
-pub struct NewRegistration {
-    /// The resource's metadata.uid.
-    pub id: Uuid,
-    pub namespace: String,
-    pub name: String,
-    pub project_id: String,
-    pub session_id: String,
-    pub surface: AgentSurface,
-    /// The Kubernetes identity the session belongs to (SPEC §6, §12): the API's caller,
-    /// or a kubectl registration's creator as the admission policy stamped it. None: no
-    /// owner is known, and the registration never displaces a session that has one.
-    pub owner: Option<String>,
-    /// The API writes this row and the resource's reconciler only reads it, so the
-    /// resource's own status is refreshed at commit (its creation may have been
-    /// reconciled before the row existed).
-    pub through_api: bool,
-}
+// The registration's values are the domain's.
+pub use prism_core::election::{NewRegistration, ProjectView, Pruned, Quota, RegisterOutcome, Registration};
 
 /// Bounds on live registrations (SPEC §12), checked by every registration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,69 +49,6 @@ impl Default for Quotas {
     fn default() -> Self {
         Quotas { per_owner: 100, per_namespace: 10_000 }
     }
-}
-
-/// Which quota a registration would exceed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Quota {
-    Owner(u32),
-    Namespace(u32),
-}
-
-impl std::fmt::Display for Quota {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Quota::Owner(n) => {
-                write!(f, "the identity holds {n} live registrations, its quota (PRISM_MAX_SESSIONS_PER_IDENTITY)")
-            }
-            Quota::Namespace(n) => {
-                write!(f, "the namespace holds {n} live registrations, its quota (PRISM_MAX_SESSIONS_PER_NAMESPACE)")
-            }
-        }
-    }
-}
-
-/// One row of `controller_registrations`.
-#[derive(Clone, Debug, PartialEq, sqlx::FromRow)]
-pub struct Registration {
-    pub id: Uuid,
-    pub namespace: String,
-    pub name: String,
-    pub project_id: String,
-    pub session_id: String,
-    pub agent_surface: AgentSurface,
-    pub is_master: bool,
-    /// The project term in which this registration became master.
-    pub master_term: Option<i64>,
-    pub registered_at: DateTime<Utc>,
-    pub last_heartbeat: DateTime<Utc>,
-    pub released_at: Option<DateTime<Utc>>,
-    pub release_reason: Option<ReleaseReason>,
-    pub preempted: bool,
-    pub preempted_by: Option<Uuid>,
-}
-
-impl Registration {
-    pub fn is_live(&self) -> bool {
-        self.released_at.is_none()
-    }
-
-    pub fn role(&self) -> Role {
-        match (self.is_live(), self.is_master) {
-            (false, _) => Role::Released,
-            (true, true) => Role::Master,
-            (true, false) => Role::Peer,
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-pub enum RegisterOutcome {
-    /// Registered now, or already (idempotent): the row as it stands.
-    Registered(Registration),
-    /// The session already has a live registration on this project under another
-    /// resource; this one is not used.
-    DuplicateSession { existing: Registration },
 }
 
 /// What a heartbeat answers about a session's live registration.
@@ -168,17 +89,6 @@ impl OwnedRegistration {
             (Some(_), None) => false,
         }
     }
-}
-
-/// A project's routing view.
-#[derive(Clone, Debug, Default)]
-pub struct ProjectView {
-    pub term: i64,
-    /// How many election writes the project has had (`routing_seq`): a watch's event id.
-    pub changes: i64,
-    pub master: Option<Registration>,
-    /// Master first, then by succession order.
-    pub live: Vec<Registration>,
 }
 
 const COLUMNS: &str = "id, namespace, name, project_id, session_id, agent_surface, is_master, master_term, \
@@ -785,14 +695,6 @@ pub struct Nudge {
     pub created_at: DateTime<Utc>,
 }
 
-/// Rows retention deleted, by table.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Pruned {
-    pub registrations: u64,
-    pub history: u64,
-    pub nudges: u64,
-}
-
 /// Runs a `DELETE ... LIMIT 1000` until it deletes fewer: how many it deleted in all.
 pub(crate) async fn prune_batches<'q, F>(pool: &PgPool, step: &'static str, query: F) -> Result<u64, QueryError>
 where
@@ -1226,4 +1128,46 @@ async fn write_wrap_nudge(tx: &mut Transaction<'_, Postgres>, row: &Registration
         }
     }
     Ok(())
+}
+
+/// The election as the reconcilers drive it (prism-core's store trait), over Postgres.
+impl prism_core::store::Elections for ElectionStore {
+    type Error = ElectionError;
+
+    async fn get(&self, id: Uuid) -> Result<Option<Registration>, ElectionError> {
+        ElectionStore::get(self, id).await
+    }
+
+    async fn register(&self, new: &NewRegistration) -> Result<RegisterOutcome, ElectionError> {
+        ElectionStore::register(self, new).await
+    }
+
+    async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
+        ElectionStore::project(self, namespace, project_id).await
+    }
+
+    async fn release(&self, id: Uuid, reason: ReleaseReason) -> Result<bool, ElectionError> {
+        ElectionStore::release(self, id, reason).await
+    }
+
+    async fn resource_gone(&self, id: Uuid) -> Result<(), ElectionError> {
+        ElectionStore::resource_gone(self, id).await
+    }
+
+    async fn sweep(&self, stale_minutes: u32) -> Result<usize, ElectionError> {
+        ElectionStore::sweep(self, stale_minutes).await
+    }
+
+    async fn released_resources(
+        &self,
+        hours: u32,
+        namespace: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<(Uuid, String, String)>, ElectionError> {
+        ElectionStore::released_resources(self, hours, namespace, limit).await
+    }
+
+    async fn prune(&self, days: u32) -> Result<Pruned, ElectionError> {
+        ElectionStore::prune(self, days).await
+    }
 }

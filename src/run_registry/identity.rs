@@ -14,55 +14,8 @@ use uuid::Uuid;
 use super::{RegistryError, RunAddress};
 use crate::db::{QueryError, Step};
 
-/// What a RunSession says its identity is: what is mirrored.
-#[derive(Clone, Debug, PartialEq, sqlx::FromRow)]
-pub struct IdentitySpec {
-    /// The RunSession's metadata.uid.
-    pub id: Uuid,
-    pub namespace: String,
-    pub name: String,
-    pub server_instance_id: String,
-    pub component_kind: String,
-    pub public_key: String,
-    pub key_generation: i64,
-    pub lease_seconds: Option<i32>,
-    /// spec.paused, the platform's cordon (SPEC §5.1): claims hand out no new job. Not
-    /// part of the key: a change of it is no new epoch.
-    pub paused: bool,
-}
-
-impl IdentitySpec {
-    pub fn address(&self) -> RunAddress {
-        RunAddress { server_instance_id: self.server_instance_id.clone(), component_kind: self.component_kind.clone() }
-    }
-}
-
-/// A live identity as stored: its spec and its current epoch.
-#[derive(Clone, Debug, PartialEq, sqlx::FromRow)]
-pub struct Identity {
-    #[sqlx(flatten)]
-    pub spec: IdentitySpec,
-    pub epoch: i64,
-}
-
-impl Identity {
-    pub fn address(&self) -> RunAddress {
-        self.spec.address()
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub enum Mirror {
-    /// The resource owns the identity (new, or its credential was updated), in `epoch`.
-    Owned { rotated: bool, epoch: i64 },
-    /// Another live resource owns this (server, component): this one is not used. (Its
-    /// namespace and name are for the reconciler to decide what to say: a status never
-    /// names another tenant's objects.)
-    Duplicate { owner_namespace: String, owner_name: String },
-    /// This resource's row was revoked (a later resource of the same name took the
-    /// identity over): it stands for nothing any more.
-    Revoked,
-}
+// A Run's identity is the domain's.
+pub use prism_core::run::{Identity, IdentitySpec, Mirror};
 
 /// How a hello's mark was taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -356,14 +309,6 @@ impl IdentityStore {
             .fetch_all(&self.pool)
             .await
             .step("read the identities of a server")?)
-    }
-
-    /// (namespace, name) of every resource that owns a live identity.
-    pub async fn all_live(&self) -> Result<Vec<(String, String)>, RegistryError> {
-        Ok(sqlx::query_as("SELECT namespace, name FROM run_identities WHERE revoked_at IS NULL")
-            .fetch_all(&self.pool)
-            .await
-            .step("list live identities")?)
     }
 
     /// Every live (server, component).

@@ -342,17 +342,7 @@ impl Cursor {
 /// The shape of a cursor (`Cursor::encode`); 18 digits fit an i64 and a timestamp.
 pub const CURSOR_PATTERN: &str = "^[0-9]{1,18}[.][0-9a-f]{32}$";
 
-/// What the reaper ended this round.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Reaped {
-    /// Attempts that ran out (visibility or deadline) and were queued again.
-    pub requeued: u64,
-    /// ... and failed for good (no attempt left, or not retryable).
-    pub failed: u64,
-    /// Jobs cancelled: a cancel requested past its grace, or an ended attempt of a job
-    /// whose cancel was requested.
-    pub cancelled: u64,
-}
+pub use prism_core::run::Reaped;
 
 /// The job defaults and timers (settings).
 #[derive(Clone, Copy, Debug)]

@@ -4,8 +4,9 @@
 
 pub mod identity;
 pub mod jobs;
-pub mod projection;
+// The safe projection of a session is the Kubernetes side's (status), and the API's.
 pub use prism_core::proof;
+pub use prism_kube::projection;
 pub mod service;
 pub mod sessions;
 
@@ -58,5 +59,11 @@ pub(crate) trait RedisStep<T> {
 impl<T> RedisStep<T> for Result<T, redis::RedisError> {
     fn step(self, step: &'static str) -> Result<T, RegistryError> {
         self.map_err(|source| RegistryError::Redis { step, source })
+    }
+}
+
+impl prism_core::store::Failure for RegistryError {
+    fn unavailable(&self) -> bool {
+        self.registry_unavailable()
     }
 }

@@ -396,11 +396,6 @@ impl RunRegistry {
         Ok(Some(cancelled))
     }
 
-    /// The (namespace, name) of every live identity's RunSession.
-    pub async fn live_names(&self) -> Result<Vec<(String, String)>, RegistryError> {
-        self.identities.all_live().await
-    }
-
     /// Retention: finished jobs' keys and revoked identities past `days`; how many of each.
     pub async fn prune(&self, days: u32) -> Result<(u64, u64), RegistryError> {
         Ok((self.jobs.prune_finished(days).await?, self.identities.prune_revoked(days).await?))
@@ -683,6 +678,43 @@ pub enum StepError {
 pub enum HelloError {
     Invalid(Invalid),
     Refused(ProofRefused),
+}
+
+/// The registry of Runs as the reconcilers drive it (prism-core's store trait).
+impl prism_core::store::Runs for RunRegistry {
+    type Error = RegistryError;
+
+    async fn mirror(&self, identity: &IdentitySpec) -> Result<Mirror, RegistryError> {
+        RunRegistry::mirror(self, identity).await
+    }
+
+    fn lease_seconds(&self, lease_seconds: Option<i32>) -> u32 {
+        RunRegistry::lease_seconds(self, lease_seconds)
+    }
+
+    async fn fence(&self, address: &RunAddress, epoch: i64) -> Result<Fenced, RegistryError> {
+        RunRegistry::fence(self, address, epoch, None).await
+    }
+
+    async fn revoke(
+        &self,
+        identity: &IdentitySpec,
+        revoked_ttl: std::time::Duration,
+    ) -> Result<Option<u64>, RegistryError> {
+        RunRegistry::revoke(self, identity, revoked_ttl).await
+    }
+
+    async fn prune(&self, days: u32) -> Result<(u64, u64), RegistryError> {
+        RunRegistry::prune(self, days).await
+    }
+
+    async fn reap(&self) -> Result<Reaped, RegistryError> {
+        RunRegistry::reap(self).await
+    }
+
+    async fn ping(&self) -> Result<(), RegistryError> {
+        RunRegistry::ping(self).await
+    }
 }
 
 #[cfg(test)]

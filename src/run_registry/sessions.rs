@@ -34,42 +34,10 @@ use uuid::Uuid;
 
 use super::{RedisStep, RegistryError};
 use crate::config::RedisEndpoint;
-use crate::crd::RunTarget;
+use prism_core::run::RunTarget;
 
-/// Where a Run lives, and what its keys and jobs are addressed by: one server instance's
-/// component. A live resource owns each address (SPEC §3.2).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RunAddress {
-    pub server_instance_id: String,
-    pub component_kind: String,
-}
-
-impl std::fmt::Display for RunAddress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.server_instance_id, self.component_kind)
-    }
-}
-
-/// A live session as stored (never its token; the token hash stays inside the scripts).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Session {
-    pub session_id: Uuid,
-    /// The credential generation the session proved possession with.
-    pub generation: i64,
-    /// The identity epoch it was opened in (0: a session of a build before epochs).
-    pub epoch: i64,
-    pub started_at: DateTime<Utc>,
-    pub last_heartbeat: DateTime<Utc>,
-    pub version: Option<String>,
-    pub target: Option<RunTarget>,
-    pub capabilities: Vec<String>,
-    pub capacity: BTreeMap<String, i64>,
-    /// The Run said it is draining (its graceful stop, SPEC §5.1): its claims hand out no
-    /// new job. Sticky until a heartbeat says `false`; a new session starts without it.
-    pub draining: bool,
-    /// What is left of the lease.
-    pub lease_left: Duration,
-}
+// A Run's address and session are the domain's.
+pub use prism_core::run::{Fenced, REVOKED_EPOCH_TTL, RunAddress, Session};
 
 /// What a token is worth right now.
 // The answer of one check, moved once and never stored: not worth a box per heartbeat.
@@ -225,21 +193,6 @@ table.insert(fields, 'ttl_ms')
 table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
 return fields
 "#;
-
-/// What `fence` found after it wrote the epoch.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Fenced {
-    /// The live session of the current epoch.
-    Live(Session),
-    /// No session.
-    Absent,
-    /// A session of an older epoch, which the fence just ended.
-    Revoked,
-}
-
-/// How long a revoked identity's epoch stays in Redis: past any hello that read the
-/// identity before it was revoked (that hello's mark is refused in Postgres anyway).
-pub const REVOKED_EPOCH_TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// How long one request to a Redis node may take, and how long to wait for a connection.
 /// Short: a Run waiting on a dead Redis should get a 503 quickly, not hang.

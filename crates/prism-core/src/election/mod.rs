@@ -1,7 +1,10 @@
 //! The election's values (who a registration is, its role, why it left) and its rules
 //! (SPEC §4), as one pure function.
 
+pub mod registration;
 pub mod rules;
+
+pub use registration::{NewRegistration, ProjectView, Pruned, Quota, RegisterOutcome, Registration};
 
 pub use rules::{Candidate, Cause, Decision, Event, MasterChange, ProjectState, Transition, decide, succession_order};
 

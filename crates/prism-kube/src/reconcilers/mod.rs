@@ -29,24 +29,26 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, instrument, warn};
 
 use crate::crd::{ControllerRegistration, RunSession};
-use crate::election::{ElectionError, ElectionStore};
-use crate::refresh::{self, NamespacedName, Receivers};
-use crate::run_registry::RegistryError;
-use crate::run_registry::service::RunRegistry;
-use crate::telemetry::Metrics;
 use crate::time::to_k8s;
 pub use backoff::Failures;
+use prism_core::store::{Elections, Runs};
 pub use status::Written;
 
 /// Field manager of every server-side apply this operator makes.
 pub const FIELD_MANAGER: &str = "prism-operator";
 
+/// A store's error, as the reconcilers carry it: they tell failures apart through
+/// prism-core's `Failure` traits before they box one.
+pub type StoreError = Box<dyn std::error::Error + Send + Sync>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
+    /// A step of the election store failed (its error names the step).
     #[error(transparent)]
-    Election(#[from] ElectionError),
+    Election(StoreError),
+    /// A step of the registry of Runs failed (its error names the step).
     #[error(transparent)]
-    Registry(#[from] RegistryError),
+    Registry(StoreError),
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error(transparent)]
@@ -55,15 +57,46 @@ pub enum ControllerError {
     MissingField(&'static str),
 }
 
-pub struct Context {
+impl ControllerError {
+    pub fn election(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        ControllerError::Election(Box::new(e))
+    }
+
+    pub fn registry(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        ControllerError::Registry(Box::new(e))
+    }
+}
+
+/// What the reconcilers and the loops beside them count (the operator's Prometheus
+/// metrics implement it).
+pub trait ReconcileMetrics: Send + Sync {
+    /// One reconcile of `controller` ended after `took`.
+    fn reconciled(&self, controller: &str, took: Duration, failed: bool);
+    /// The job reaper ended `n` attempts with `outcome` (requeued, failed, cancelled).
+    fn attempts_ended(&self, outcome: &str, n: u64);
+}
+
+/// What the reconcilers receive besides the watches: single resources whose status must
+/// be refreshed, and "everything of this kind" (the sender could not say what changed,
+/// or may have missed something).
+pub struct Receivers {
+    pub registrations: mpsc::UnboundedReceiver<ObjectRef<ControllerRegistration>>,
+    pub run_sessions: mpsc::UnboundedReceiver<ObjectRef<RunSession>>,
+    pub all_registrations: mpsc::UnboundedReceiver<()>,
+    pub all_run_sessions: mpsc::UnboundedReceiver<()>,
+}
+
+/// What every reconcile of the leader works with. The stores are prism-core's traits:
+/// Postgres and Redis in the operator, maps in memory in the fast tests.
+pub struct Context<E, R> {
     pub client: Client,
-    pub election: ElectionStore,
-    pub registry: RunRegistry,
+    pub election: E,
+    pub registry: R,
     pub recorder: Recorder,
     pub stale_after: chrono::Duration,
     /// PRISM_STATUS_HEARTBEAT_SECONDS: the period of live registrations' reconciles.
     pub status_heartbeat: std::time::Duration,
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<dyn ReconcileMetrics>,
     /// Reconciles in flight at once, per controller.
     pub reconcile_concurrency: u16,
     pub written_registrations: Written<crate::crd::ControllerRegistrationStatus>,
@@ -117,14 +150,17 @@ pub trait Reconciled:
     }
 
     /// The resource exists (and carries the finalizer): bring the world and its status in line.
-    fn apply(
+    fn apply<E: Elections, R: Runs>(
         obj: Arc<Self>,
         api: &Api<Self>,
-        ctx: &Context,
+        ctx: &Context<E, R>,
     ) -> impl Future<Output = Result<Action, ControllerError>> + Send;
 
     /// The resource is being deleted: undo what it stood for. The finalizer goes after this succeeds.
-    fn cleanup(obj: Arc<Self>, ctx: &Context) -> impl Future<Output = Result<Action, ControllerError>> + Send;
+    fn cleanup<E: Elections, R: Runs>(
+        obj: Arc<Self>,
+        ctx: &Context<E, R>,
+    ) -> impl Future<Output = Result<Action, ControllerError>> + Send;
 }
 
 /// One reconcile of either kind.
@@ -139,7 +175,10 @@ pub trait Reconciled:
         object.name = %obj.name_any(),
     )
 )]
-pub async fn reconcile<K: Reconciled>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, ControllerError> {
+pub async fn reconcile<K: Reconciled, E: Elections, R: Runs>(
+    obj: Arc<K>,
+    ctx: Arc<Context<E, R>>,
+) -> Result<Action, ControllerError> {
     let ns = obj.namespace().ok_or(ControllerError::MissingField("metadata.namespace"))?;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &ns);
     let started = std::time::Instant::now();
@@ -217,7 +256,11 @@ pub fn condition(
 
 /// A failed reconcile comes back after a wait that doubles with each consecutive
 /// failure of the same object (see `backoff`).
-fn error_policy<K: Resource<DynamicType = ()>>(obj: Arc<K>, error: &ControllerError, ctx: Arc<Context>) -> Action {
+fn error_policy<K: Resource<DynamicType = ()>, E, R>(
+    obj: Arc<K>,
+    error: &ControllerError,
+    ctx: Arc<Context<E, R>>,
+) -> Action {
     let retry_in = ctx.failures.failed(retry_key(&*obj));
     warn!(
         kind = %K::kind(&()),
@@ -256,25 +299,37 @@ async fn log_outcome<K: Resource, E: std::fmt::Display>(
     }
 }
 
-/// Everything that runs only on the leader: both controllers (fed by the refresh
-/// signals of every replica), the stale sweep, the job reaper and the registry watch.
-/// Dropping the future stops all of it.
-pub async fn lead(ctx: Arc<Context>, namespace: Option<String>, stale_minutes: u32, sweep_every: Duration) {
-    let (receivers, listen) = refresh::listen(ctx.election.pool().clone());
+/// Everything that runs only on the leader: both controllers (fed by `receivers`, the
+/// refresh signals of every replica, which `signals` delivers while it runs), the stale
+/// sweep, the job reaper and the registry watch. Dropping the future stops all of it.
+pub async fn lead<E: Elections, R: Runs>(
+    ctx: Arc<Context<E, R>>,
+    (receivers, signals): (Receivers, impl Future<Output = ()>),
+    namespace: Option<String>,
+    stale_minutes: u32,
+    sweep_every: Duration,
+) {
     ctx.written_registrations.clear();
     ctx.written_runsessions.clear();
+    let (registry_changed, registry_changes) = mpsc::unbounded_channel();
     tokio::join!(
-        run_controllers(ctx.clone(), receivers, namespace.clone()),
+        run_controllers(ctx.clone(), receivers, registry_changes, namespace.clone()),
         run_sweep(ctx.clone(), stale_minutes, sweep_every),
         run_reaper(ctx.clone(), Duration::from_secs(2)),
-        run_registry_watch(ctx.clone(), Duration::from_secs(2)),
+        run_registry_watch(ctx.clone(), Duration::from_secs(2), registry_changed),
         run_retention(ctx.clone(), namespace.clone()),
-        listen,
+        signals,
     );
 }
 
-/// Runs both controllers until shutdown.
-pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace: Option<String>) {
+/// Runs both controllers until shutdown. `registry_changes`: the registry watch's "every
+/// RunSession", beside the signals'.
+pub async fn run_controllers<E: Elections, R: Runs>(
+    ctx: Arc<Context<E, R>>,
+    receivers: Receivers,
+    registry_changes: mpsc::UnboundedReceiver<()>,
+    namespace: Option<String>,
+) {
     info!(namespace = namespace.as_deref().unwrap_or("<all>"), "controllers started");
     let config = kube::runtime::controller::Config::default().concurrency(ctx.reconcile_concurrency);
     let registrations = controller_for(api_for::<ControllerRegistration>(&ctx.client, &namespace))
@@ -282,14 +337,17 @@ pub async fn run_controllers(ctx: Arc<Context>, receivers: Receivers, namespace:
         .reconcile_on(receiver_stream(receivers.registrations))
         .reconcile_all_on(receiver_stream(receivers.all_registrations))
         .shutdown_on_signal()
-        .run(reconcile::<ControllerRegistration>, error_policy, ctx.clone())
+        .run(reconcile::<ControllerRegistration, E, R>, error_policy, ctx.clone())
         .for_each(log_outcome);
     let runsessions = controller_for(api_for::<RunSession>(&ctx.client, &namespace))
         .with_config(config)
         .reconcile_on(receiver_stream(receivers.run_sessions))
-        .reconcile_all_on(receiver_stream(receivers.all_run_sessions))
+        .reconcile_all_on(futures::stream::select(
+            receiver_stream(receivers.all_run_sessions),
+            receiver_stream(registry_changes),
+        ))
         .shutdown_on_signal()
-        .run(reconcile::<RunSession>, error_policy, ctx.clone())
+        .run(reconcile::<RunSession, E, R>, error_policy, ctx.clone())
         .for_each(log_outcome);
     futures::join!(registrations, runsessions);
 }
@@ -324,7 +382,7 @@ fn changes_that_matter<K: Resource>(obj: &K) -> Option<u64> {
 }
 
 /// The stale sweep: once at start, then every `interval`.
-pub async fn run_sweep(ctx: Arc<Context>, stale_minutes: u32, interval: Duration) {
+pub async fn run_sweep<E: Elections, R: Runs>(ctx: Arc<Context<E, R>>, stale_minutes: u32, interval: Duration) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -342,7 +400,7 @@ pub async fn run_sweep(ctx: Arc<Context>, stale_minutes: u32, interval: Duration
 /// `released_hours`, each with a uid precondition (never a later resource of that name);
 /// then what is older than `history_days` is pruned. A failure is logged and retried at
 /// the next pass.
-pub async fn run_retention(ctx: Arc<Context>, namespace: Option<String>) {
+pub async fn run_retention<E: Elections, R: Runs>(ctx: Arc<Context<E, R>>, namespace: Option<String>) {
     let mut tick = tokio::time::interval(ctx.retention.every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -353,11 +411,12 @@ pub async fn run_retention(ctx: Arc<Context>, namespace: Option<String>) {
     }
 }
 
-async fn retain(ctx: &Context, namespace: Option<&str>) -> Result<(), ControllerError> {
+async fn retain<E: Elections, R: Runs>(ctx: &Context<E, R>, namespace: Option<&str>) -> Result<(), ControllerError> {
     let Retention { released_hours, history_days, .. } = ctx.retention;
     let mut deleted = 0;
     loop {
-        let batch = ctx.election.released_resources(released_hours, namespace, 200).await?;
+        let batch =
+            ctx.election.released_resources(released_hours, namespace, 200).await.map_err(ControllerError::election)?;
         let full = batch.len() == 200;
         for (id, ns, name) in batch {
             let api: Api<ControllerRegistration> = Api::namespaced(ctx.client.clone(), &ns);
@@ -371,14 +430,14 @@ async fn retain(ctx: &Context, namespace: Option<&str>) -> Result<(), Controller
                 Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
                 Err(e) => return Err(e.into()),
             }
-            ctx.election.resource_gone(id).await?;
+            ctx.election.resource_gone(id).await.map_err(ControllerError::election)?;
         }
         if !full {
             break;
         }
     }
-    let pruned = ctx.election.prune(history_days).await?;
-    let (jobs, identities) = ctx.registry.prune(history_days).await?;
+    let pruned = ctx.election.prune(history_days).await.map_err(ControllerError::election)?;
+    let (jobs, identities) = ctx.registry.prune(history_days).await.map_err(ControllerError::registry)?;
     if deleted + pruned.registrations + pruned.history + pruned.nudges + jobs + identities > 0 {
         info!(
             resources_deleted = deleted,
@@ -395,7 +454,7 @@ async fn retain(ctx: &Context, namespace: Option<&str>) -> Result<(), Controller
 
 /// The job reaper: attempts past their visibility timeout or deadline end (queued again
 /// after a backoff, or failed for good), and cancels past their grace are carried out.
-pub async fn run_reaper(ctx: Arc<Context>, interval: Duration) {
+pub async fn run_reaper<E: Elections, R: Runs>(ctx: Arc<Context<E, R>>, interval: Duration) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -419,9 +478,13 @@ pub async fn run_reaper(ctx: Arc<Context>, interval: Duration) {
 }
 
 /// Watches the runtime registry's availability: when Redis goes away or comes back,
-/// every RunSession is reconciled at once, so `Unavailable` (and the return to
+/// every RunSession is reconciled at once (`changed`), so `Unavailable` (and the return to
 /// `Online`/`Offline`) shows within seconds instead of at each lease's next check.
-pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
+pub async fn run_registry_watch<E: Elections, R: Runs>(
+    ctx: Arc<Context<E, R>>,
+    interval: Duration,
+    changed: mpsc::UnboundedSender<()>,
+) {
     let mut was_up = true;
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -437,20 +500,8 @@ pub async fn run_registry_watch(ctx: Arc<Context>, interval: Duration) {
         } else {
             warn!("runtime registry (Redis) is unavailable");
         }
-        let refreshed = async {
-            let all: Vec<NamespacedName> = ctx
-                .registry
-                .live_names()
-                .await?
-                .into_iter()
-                .map(|(namespace, name)| NamespacedName::new(namespace, name))
-                .collect();
-            refresh::announce_now(ctx.election.pool(), refresh::Kind::RunSession, &all).await?;
-            Ok::<_, RegistryError>(())
-        };
-        if let Err(error) = refreshed.await {
-            warn!(%error, "cannot refresh the RunSessions' status after the registry changed; their requeue will");
-        }
+        // A closed receiver means the controllers are stopping: nothing left to refresh.
+        let _ = changed.send(());
     }
 }
 

@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use super::Session;
 use crate::crd::{RunPhase, RunSessionStatus, RunTarget, UnavailableReason};
 use crate::time::{from_k8s, to_k8s};
+use prism_core::run::Session;
 
 /// What can be said of an address's session right now.
 #[derive(Clone, Copy, Debug)]

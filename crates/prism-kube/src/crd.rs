@@ -13,8 +13,6 @@ use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::db::text_enum;
-
 /// API group of every prism resource.
 pub const GROUP: &str = "prism.ntecdev.ai";
 /// Label carrying `spec.projectId` on each ControllerRegistration, for label selectors.
@@ -191,38 +189,8 @@ pub struct RunCredential {
     pub generation: i64,
 }
 
-#[derive(Serialize, Deserialize, JsonSchema, utoipa::ToSchema, Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum RunPhase {
-    /// Never connected.
-    #[default]
-    Pending,
-    Online,
-    // Online, but its claims hand out no new job: spec.paused, or the Run said it is
-    // draining (SPEC §5.1). (A doc comment here would reorder the schema's enum.)
-    Draining,
-    Offline,
-    Unavailable,
-}
-
-text_enum! {
-    /// Why a Run is not online.
-    #[derive(JsonSchema)]
-    pub enum UnavailableReason {
-        RedisUnavailable = "redis_unavailable",
-        LeaseExpired = "lease_expired",
-        Superseded = "superseded",
-        CredentialRotated = "credential_rotated",
-    }
-}
-
-// Hello checks both (`check_hello`); the OpenAPI schemas say the same.
-#[derive(Serialize, Deserialize, JsonSchema, utoipa::ToSchema, Clone, Debug, PartialEq, Eq)]
-pub struct RunTarget {
-    #[schema(pattern = "^[A-Za-z0-9_]{1,32}$", example = "linux")]
-    pub os: String,
-    #[schema(pattern = "^[A-Za-z0-9_]{1,32}$", example = "amd64")]
-    pub arch: String,
-}
+// A Run's values are the domain's, with their JSON Schema.
+pub use prism_core::run::{RunPhase, RunTarget, UnavailableReason};
 
 /// Safe projection of the Run's session: never a token, hash, key name, credential, host
 /// path or socket.

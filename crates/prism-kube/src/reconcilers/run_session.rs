@@ -17,9 +17,9 @@ use uuid::Uuid;
 use super::status::{ObservedStatus, StatusEvent, write_status};
 use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus};
-use crate::run_registry::identity::{IdentitySpec, Mirror};
-use crate::run_registry::projection::{self, Drain, Lease, SessionView};
-use crate::run_registry::sessions::{Fenced, REVOKED_EPOCH_TTL};
+use crate::projection::{self, Drain, Lease, SessionView};
+use prism_core::run::{Fenced, IdentitySpec, Mirror, REVOKED_EPOCH_TTL};
+use prism_core::store::{Elections, Failure, Runs};
 
 pub const FINALIZER: &str = "prism.ntecdev.ai/revoke";
 
@@ -27,11 +27,15 @@ impl Reconciled for RunSession {
     const FINALIZER: &'static str = FINALIZER;
     const METRIC: &'static str = "runsession";
 
-    async fn apply(obj: Arc<Self>, api: &Api<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+    async fn apply<E: Elections, R: Runs>(
+        obj: Arc<Self>,
+        api: &Api<Self>,
+        ctx: &Context<E, R>,
+    ) -> Result<Action, ControllerError> {
         apply(&obj, api, ctx).await
     }
 
-    async fn cleanup(obj: Arc<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+    async fn cleanup<E: Elections, R: Runs>(obj: Arc<Self>, ctx: &Context<E, R>) -> Result<Action, ControllerError> {
         cleanup(&obj, ctx).await
     }
 }
@@ -78,14 +82,18 @@ pub fn duplicate_message(identity: &IdentitySpec, owner_namespace: &str, owner_n
     }
 }
 
-async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result<Action, ControllerError> {
+async fn apply<E: Elections, R: Runs>(
+    obj: &RunSession,
+    api: &Api<RunSession>,
+    ctx: &Context<E, R>,
+) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
     let address = identity.address();
     let previous = ctx.written_runsessions.previous(obj.uid().as_deref(), obj.status.as_ref()).unwrap_or_default();
     let now = Utc::now();
     let generation = obj.metadata.generation;
 
-    let (next, requeue) = match ctx.registry.mirror(&identity).await? {
+    let (next, requeue) = match ctx.registry.mirror(&identity).await.map_err(ControllerError::registry)? {
         Mirror::Duplicate { owner_namespace, owner_name } => {
             let msg = duplicate_message(&identity, &owner_namespace, &owner_name);
             (duplicate_status(&previous, generation, "DuplicateIdentity", &msg, now), Duration::from_secs(30))
@@ -104,7 +112,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
             // revocation, SPEC §12): a session of an older key is ended here, even when
             // the write that should have ended it failed before, or a hello raced the
             // rotation.
-            let (view, requeue) = match ctx.registry.fence(&address, epoch, None).await {
+            let (view, requeue) = match ctx.registry.fence(&address, epoch).await {
                 Ok(fenced) => {
                     ctx.fences_owed.invalidate(&identity.id);
                     match &fenced {
@@ -124,7 +132,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
                         }
                     }
                 }
-                Err(e) if e.registry_unavailable() => {
+                Err(e) if e.unavailable() => {
                     warn!(name = %obj.name_any(), error = %e, "Redis unavailable; RunSession shown Unavailable");
                     // A fence owed (the key was just rotated) is tried again at once: the
                     // old key's session must end within seconds of the rotation.
@@ -132,7 +140,7 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
                     let retry = if owed { Duration::from_secs(1) } else { Duration::from_secs(5) };
                     (projection::project(Lease::RegistryDown, identity.paused, &shown), retry)
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(ControllerError::registry(e)),
             };
             (status_of(view, &previous, generation, now), requeue)
         }
@@ -145,10 +153,12 @@ async fn apply(obj: &RunSession, api: &Api<RunSession>, ctx: &Context) -> Result
 /// namespace it left unfinished (`identity_deleted`: nobody may run them now), and fences
 /// Redis to the revoked epoch, which ends its session. Every step is repeated until all
 /// succeed: the finalizer stays until then, so a failed Redis write is made again.
-async fn cleanup(obj: &RunSession, ctx: &Context) -> Result<Action, ControllerError> {
+async fn cleanup<E: Elections, R: Runs>(obj: &RunSession, ctx: &Context<E, R>) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
     // None: this resource never held the identity (a duplicate): nothing of it to undo.
-    if let Some(cancelled) = ctx.registry.revoke(&identity, REVOKED_EPOCH_TTL).await? {
+    if let Some(cancelled) =
+        ctx.registry.revoke(&identity, REVOKED_EPOCH_TTL).await.map_err(ControllerError::registry)?
+    {
         info!(name = %obj.name_any(), jobs_cancelled = cancelled, "RunSession deleted; identity revoked, its session ended");
     }
     Ok(Action::await_change())
@@ -286,7 +296,7 @@ pub fn phase_event(previous: &RunSessionStatus, next: &RunSessionStatus) -> Opti
 mod tests {
     use super::*;
     use crate::reconcilers::status::needs_write;
-    use crate::run_registry::Session;
+    use prism_core::run::Session;
 
     fn session() -> Session {
         Session {

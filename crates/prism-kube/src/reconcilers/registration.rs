@@ -23,9 +23,9 @@ use crate::crd::{
     ControllerRegistration, ControllerRegistrationStatus, OWNER_ANNOTATION, PROJECT_LABEL, REGISTERED_BY_ANNOTATION,
     REGISTERED_BY_API, REGISTRATION_FINALIZER, RegistrationRef, ReleaseReason, Role, is_label_value,
 };
-use crate::election::store::{ProjectView, RegisterOutcome, Registration};
-use crate::election::{ElectionError, NewRegistration};
 use crate::time::to_k8s;
+use prism_core::election::{NewRegistration, ProjectView, RegisterOutcome, Registration};
+use prism_core::store::{ElectionFailure, Elections, Refusal, Runs};
 
 /// Tries of the label patch when our copy keeps turning out stale.
 const LABEL_ATTEMPTS: u32 = 3;
@@ -40,12 +40,16 @@ impl Reconciled for ControllerRegistration {
         add_finalizer_with_label(api, obj).await
     }
 
-    async fn apply(obj: Arc<Self>, api: &Api<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+    async fn apply<E: Elections, R: Runs>(
+        obj: Arc<Self>,
+        api: &Api<Self>,
+        ctx: &Context<E, R>,
+    ) -> Result<Action, ControllerError> {
         let current = ensure_label(api, &obj).await;
         apply(current.as_ref().unwrap_or(&obj), api, ctx).await
     }
 
-    async fn cleanup(obj: Arc<Self>, ctx: &Context) -> Result<Action, ControllerError> {
+    async fn cleanup<E: Elections, R: Runs>(obj: Arc<Self>, ctx: &Context<E, R>) -> Result<Action, ControllerError> {
         cleanup(&obj, ctx).await
     }
 }
@@ -190,17 +194,17 @@ pub fn kubectl_owner(obj: &ControllerRegistration, trusted: bool) -> Option<Stri
     (trusted && shaped).then(|| owner.clone())
 }
 
-async fn apply(
+async fn apply<E: Elections, R: Runs>(
     obj: &ControllerRegistration,
     api: &Api<ControllerRegistration>,
-    ctx: &Context,
+    ctx: &Context<E, R>,
 ) -> Result<Action, ControllerError> {
     let id = uid(obj)?;
     let ns = obj.namespace().unwrap_or_default();
     let now = Utc::now();
     // Most reconciles find the registration known (a resync, a trigger): one indexed read
     // without the project lock.
-    let found = match ctx.election.get(id).await? {
+    let found = match ctx.election.get(id).await.map_err(ControllerError::election)? {
         Some(row) => Found::Registered(row),
         // The API writes this one's row; without it yet, wait, and after the grace the
         // resource is a leftover: never registered here (a refused or wrapped session
@@ -232,15 +236,19 @@ async fn apply(
                 Ok(RegisterOutcome::DuplicateSession { existing }) => Found::Duplicate(existing),
                 // The session is another identity's (or has an owner, and this resource's
                 // is not known): it is not moved, and this resource is not used.
-                Err(ElectionError::NotOwned(session)) => Found::Unused {
-                    reason: "SessionNotOwned",
-                    message: format!("session {session} belongs to another identity; this registration is not used"),
+                Err(e) => match e.refusal() {
+                    Some(Refusal::NotOwned(session)) => Found::Unused {
+                        reason: "SessionNotOwned",
+                        message: format!(
+                            "session {session} belongs to another identity; this registration is not used"
+                        ),
+                    },
+                    Some(Refusal::QuotaExceeded(quota)) => Found::Unused {
+                        reason: "QuotaExceeded",
+                        message: format!("quota exceeded: {quota}; this registration is not used"),
+                    },
+                    None => return Err(ControllerError::election(e)),
                 },
-                Err(ElectionError::QuotaExceeded(quota)) => Found::Unused {
-                    reason: "QuotaExceeded",
-                    message: format!("quota exceeded: {quota}; this registration is not used"),
-                },
-                Err(e) => return Err(e.into()),
             }
         }
     };
@@ -249,9 +257,10 @@ async fn apply(
     let generation = obj.metadata.generation;
     let next = match &found {
         Found::Registered(row) => {
-            let view = ctx.election.project(&row.namespace, &row.project_id).await?;
+            let view =
+                ctx.election.project(&row.namespace, &row.project_id).await.map_err(ControllerError::election)?;
             let preempted_by = match row.preempted_by {
-                Some(by) => ctx.election.get(by).await?,
+                Some(by) => ctx.election.get(by).await.map_err(ControllerError::election)?,
                 None => None,
             };
             build_status(row, &view, preempted_by.as_ref(), generation, &previous, ctx.stale_after, now)
@@ -288,11 +297,14 @@ async fn delete_orphan(api: &Api<ControllerRegistration>, obj: &ControllerRegist
 
 /// Deleting the resource is the wrap: release (promoting a successor); `finalizer()`
 /// then lets the resource go.
-async fn cleanup(obj: &ControllerRegistration, ctx: &Context) -> Result<Action, ControllerError> {
+async fn cleanup<E: Elections, R: Runs>(
+    obj: &ControllerRegistration,
+    ctx: &Context<E, R>,
+) -> Result<Action, ControllerError> {
     let id = uid(obj)?;
-    let was_live = ctx.election.release(id, ReleaseReason::Wrapped).await?;
+    let was_live = ctx.election.release(id, ReleaseReason::Wrapped).await.map_err(ControllerError::election)?;
     // The resource goes once this returns: its row may be pruned after retention.
-    ctx.election.resource_gone(id).await?;
+    ctx.election.resource_gone(id).await.map_err(ControllerError::election)?;
     if was_live {
         info!("registration wrapped");
         let event = (EventType::Normal, "Released", "released: wrapped (resource deleted)".to_string());

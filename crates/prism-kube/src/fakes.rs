@@ -1,0 +1,1 @@
+//! In-memory fakes of the store traits (tests only).
