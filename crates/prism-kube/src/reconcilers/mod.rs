@@ -10,6 +10,8 @@ pub mod run_session;
 pub mod status;
 
 #[cfg(test)]
+mod fast_tests;
+#[cfg(test)]
 mod mock_api_tests;
 
 use std::future::Future;

@@ -436,12 +436,18 @@ fn released_reason(r: ReleaseReason) -> &'static str {
     }
 }
 
-/// The Event for a change of role, if the role changed.
+fn ready(status: &ControllerRegistrationStatus) -> Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    status.conditions.iter().find(|c| c.type_ == "Ready")
+}
+
+/// The Event for a change of role, if the role changed; for a resource that is not used
+/// (Pending), once per reason why.
 pub fn role_event(previous: &ControllerRegistrationStatus, next: &ControllerRegistrationStatus) -> Option<StatusEvent> {
     let master_name = next.master.as_ref().map(|m| m.name.as_str()).unwrap_or("none");
     let term = next.term.unwrap_or_default();
     match (previous.role, next.role) {
-        (a, b) if a == b => None,
+        // Pending → Pending may still be news: a resource that is not used says why once.
+        (a, b) if a == b && a != Role::Pending => None,
         (Role::Peer, Role::Master) => {
             Some((EventType::Normal, "Promoted", format!("promoted to master in term {term}")))
         }
@@ -460,7 +466,10 @@ pub fn role_event(previous: &ControllerRegistrationStatus, next: &ControllerRegi
             let reason = next.release_reason.map(ReleaseReason::as_str).unwrap_or("released");
             Some((EventType::Normal, "Released", format!("released: {reason}")))
         }
-        (_, Role::Pending) => next.conditions.iter().find(|c| c.type_ == "Ready").and_then(|c| {
+        (_, Role::Pending) => ready(next).and_then(|c| {
+            if previous.role == Role::Pending && ready(previous).map(|p| &p.reason) == Some(&c.reason) {
+                return None;
+            }
             let reason = match c.reason.as_str() {
                 "DuplicateSession" => "DuplicateSession",
                 "SessionNotOwned" => "SessionNotOwned",

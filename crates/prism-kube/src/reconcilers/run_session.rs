@@ -56,7 +56,7 @@ impl ObservedStatus for RunSessionStatus {
     }
 }
 
-fn identity_of(obj: &RunSession) -> Result<IdentitySpec, ControllerError> {
+pub(crate) fn identity_of(obj: &RunSession) -> Result<IdentitySpec, ControllerError> {
     let uid = obj.uid().ok_or(ControllerError::MissingField("metadata.uid"))?;
     Ok(IdentitySpec {
         id: Uuid::parse_str(&uid).map_err(|_| ControllerError::MissingField("metadata.uid"))?,
@@ -270,7 +270,7 @@ pub fn status_events(previous: &RunSessionStatus, next: &RunSessionStatus) -> Ve
 
 /// The Event for a change of phase, if the phase changed.
 pub fn phase_event(previous: &RunSessionStatus, next: &RunSessionStatus) -> Option<StatusEvent> {
-    if previous.phase == next.phase {
+    if previous.phase == next.phase && next.phase != RunPhase::Pending {
         return None;
     }
     Some(match next.phase {
@@ -286,8 +286,24 @@ pub fn phase_event(previous: &RunSessionStatus, next: &RunSessionStatus) -> Opti
         RunPhase::Unavailable => {
             (EventType::Warning, "Unavailable", "runtime registry (Redis) unavailable".to_string())
         }
+        // Pending after a hello is never: a resource that is not used, said once per reason
+        // (a new resource is Pending with nothing to say until it is).
         RunPhase::Pending => {
-            (EventType::Warning, "DuplicateIdentity", "identity claimed by another RunSession".to_string())
+            let not_used = |s: &RunSessionStatus| {
+                s.conditions.iter().find(|c| c.type_ == "Ready" && c.status == "False").map(|c| c.reason.clone())
+            };
+            let reason = not_used(next).filter(|r| not_used(previous).as_ref() != Some(r))?;
+            match reason.as_str() {
+                "DuplicateIdentity" => {
+                    (EventType::Warning, "DuplicateIdentity", "identity claimed by another RunSession".to_string())
+                }
+                "IdentityRevoked" => (
+                    EventType::Warning,
+                    "IdentityRevoked",
+                    "identity taken over by a later RunSession of this name".to_string(),
+                ),
+                _ => return None,
+            }
         }
     })
 }
