@@ -479,10 +479,8 @@ impl ApiServer {
                 // the one finalizer: its result is all this fake keeps of it.
                 Some(obj) if body.is_array() => {
                     let removes = body.as_array().is_some_and(|ops| ops.iter().any(|op| op["op"] == "remove"));
-                    if removes {
-                        if let Some(meta) = obj["metadata"].as_object_mut() {
-                            meta.remove("finalizers");
-                        }
+                    if removes && let Some(meta) = obj["metadata"].as_object_mut() {
+                        meta.remove("finalizers");
                     }
                     (200, obj.clone())
                 }
