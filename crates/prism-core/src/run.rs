@@ -26,7 +26,8 @@ impl std::fmt::Display for RunAddress {
     }
 }
 
-/// The platform a Run says it runs on (hello checks both; the OpenAPI schemas say the same).
+// The platform a Run says it runs on (hello checks both; the OpenAPI schemas say the same).
+// (A doc comment would become the CRD's description of `status.target`.)
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[cfg_attr(feature = "utoipa", derive(utoipa::ToSchema))]
@@ -37,7 +38,8 @@ pub struct RunTarget {
     pub arch: String,
 }
 
-/// A Run's phase, spelled as Kubernetes spells enum values (`kubectl get` shows it).
+// A Run's phase, spelled as Kubernetes spells enum values (`kubectl get` shows it). (A doc
+// comment would become the CRD's description of `status.phase`.)
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[cfg_attr(feature = "utoipa", derive(utoipa::ToSchema))]
