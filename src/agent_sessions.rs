@@ -238,6 +238,7 @@ impl AgentService {
     /// beforehand, and otherwise removes the resource it made: a refused register leaves
     /// no resource and no row. Of concurrent identical calls one resource stands; the
     /// others remove theirs and answer with it.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn register(
         &self,
         namespace: &str,
@@ -352,6 +353,7 @@ impl AgentService {
 
     /// Wrap on behalf of `caller`: release (promoting a successor) and delete the resource.
     /// The caller must own the registration (or it has no owner).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn release(&self, row: &OwnedRegistration, caller: &str) -> Result<RoutingTable, AgentError> {
         check_owner(row, caller)?;
         let row = &row.row;
@@ -385,11 +387,13 @@ impl AgentService {
     }
 
     /// A registration and its owner, by id; `NotFound` if there is none.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn registration(&self, id: Uuid) -> Result<OwnedRegistration, AgentError> {
         Ok(self.store.get_owned(id).await?.ok_or(ElectionError::NotFound(id))?)
     }
 
     /// The session's live registration and its owner; `NotRegistered` if there is none.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn live_session(&self, namespace: &str, session_id: &str) -> Result<OwnedRegistration, AgentError> {
         self.store
             .live_by_session_owned(namespace, session_id)
@@ -402,6 +406,7 @@ impl AgentService {
     /// refreshed. The role is read from Postgres on every call, never from a cache: an
     /// answer must not be older than a change committed before the call (a master
     /// preempted a moment ago is told so on its very next call).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn heartbeat(&self, namespace: &str, session_id: &str, caller: &str) -> Result<LiveRole, AgentError> {
         let role = self.role(namespace, session_id).await?;
         if role.owner.as_deref().is_some_and(|owner| owner != caller) {
@@ -414,6 +419,7 @@ impl AgentService {
 
     /// The session's role, read only (no heartbeat): what a caller that may read but not
     /// heartbeat is told (SPEC §4 rule 8).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn role(&self, namespace: &str, session_id: &str) -> Result<LiveRole, AgentError> {
         self.store
             .live_role(namespace, session_id)
@@ -421,6 +427,7 @@ impl AgentService {
             .ok_or_else(|| AgentError::NotRegistered(session_id.to_string()))
     }
 
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn routing(
         &self,
         namespace: &str,
@@ -431,6 +438,7 @@ impl AgentService {
     }
 
     /// A page of the namespace's projects and their terms (`ElectionStore::projects`).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn projects(
         &self,
         namespace: &str,
@@ -443,6 +451,7 @@ impl AgentService {
     /// The session's undelivered nudges, marked delivered (`ElectionStore::take_nudges`);
     /// Postgres is read only when one may be pending (`Signals`). The caller must be
     /// one that may heartbeat the session (SPEC §4 rule 8).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn take_nudges(
         &self,
         namespace: &str,
@@ -468,6 +477,7 @@ impl AgentService {
     }
 
     /// The routing table, with the change of the project it shows (a watch's event id).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn routing_change(
         &self,
         namespace: &str,
@@ -492,6 +502,7 @@ impl AgentService {
 
     /// The project's master if `term` is its current master term: lets downstream systems
     /// reject writes from a demoted master.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn fence(
         &self,
         namespace: &str,

@@ -6,9 +6,10 @@
 pub use prism_kube::crd;
 pub mod election;
 pub mod run_registry;
-// Services over the domain: what agents ask for, and the signal that a resource's
-// status must be refreshed.
+// Services over the domain: what agents ask for, what MCP sessions keep, and the
+// signal that a resource's status must be refreshed.
 pub mod agent_sessions;
+pub mod mcp_store;
 pub mod refresh;
 // Kubernetes glue (the prism-kube crate): reconcilers and the Lease that picks the
 // replica running them.

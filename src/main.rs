@@ -34,12 +34,21 @@ async fn main() -> ExitCode {
         }
     };
     let _failpoints = prism_operator::failpoints::setup();
-    if matches!(cli.command, Command::Jobs(_)) {
-        telemetry::init_client(cli.log.log_format);
-    } else {
-        telemetry::init(cli.log.log_format);
-    }
+    // Before any client is built, the OTLP exporter's included.
     prism_operator::install_crypto_provider();
+    // Kept to the end: dropping it sends the traces still buffered.
+    let _telemetry = if matches!(cli.command, Command::Jobs(_)) {
+        telemetry::init_client(cli.log.log_format);
+        None
+    } else {
+        match telemetry::init(cli.log.log_format) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return ExitCode::from(2);
+            }
+        }
+    };
     match run(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

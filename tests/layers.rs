@@ -179,3 +179,45 @@ fn the_kubernetes_crate_links_no_store_and_no_api() {
     let found: Vec<&&str> = STORES_AND_API.iter().filter(|c| kube.contains(**c)).collect();
     assert!(found.is_empty(), "prism-kube links {found:?}; the stores belong behind prism-core's traits");
 }
+
+/// What the API's modules may not name: the database and Redis clients. The HTTP and MCP
+/// handlers parse, authorize, call a service or a store's method, and map errors; the
+/// SQL and the Redis commands are the stores' (election, run_registry, mcp_store).
+const DRIVERS: &[&str] = &["sqlx", "PgPool", "PgConnection", "redis::"];
+
+/// The API modules (`api` and below) whose shipped code names a driver, with what it names.
+fn api_reaching_drivers(modules: &BTreeMap<String, String>) -> Vec<(String, &'static str)> {
+    let mut found = Vec::new();
+    for (path, code) in modules.iter().filter(|(p, _)| *p == "api" || p.starts_with("api::")) {
+        for driver in DRIVERS {
+            if code.contains(driver) {
+                found.push((path.clone(), *driver));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_api_runs_no_sql_and_no_redis_command_of_its_own() {
+    let operator = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")));
+    assert!(operator.keys().filter(|p| p.starts_with("api::")).count() > 10, "the walk found the API's modules");
+    let found = api_reaching_drivers(&operator);
+    assert!(found.is_empty(), "the API reaches past the stores: {found:?}");
+    // The check sees one where it is.
+    let mut planted = BTreeMap::new();
+    planted.insert("api::health".to_string(), "sqlx::query(\"SELECT 1\")".to_string());
+    planted.insert("election::store".to_string(), "sqlx::query(\"SELECT 1\")".to_string());
+    assert_eq!(api_reaching_drivers(&planted), vec![("api::health".to_string(), "sqlx")]);
+}
+
+#[test]
+fn no_store_hands_out_its_connections() {
+    let operator = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")));
+    let open: Vec<&String> = operator
+        .iter()
+        .filter(|(_, code)| code.contains("pub fn pool(") || code.contains("pub pool:") || code.contains("pub conn:"))
+        .map(|(path, _)| path)
+        .collect();
+    assert!(open.is_empty(), "these modules hand out a store's pool or connection: {open:?}");
+}

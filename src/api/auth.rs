@@ -149,6 +149,9 @@ impl Authorizer {
                 caller
             }
         };
+        if let Some(c) = &caller {
+            super::record_caller(&c.username);
+        }
         caller.ok_or_else(|| {
             ApiError::unauthenticated(
                 "invalid_token",

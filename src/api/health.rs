@@ -9,14 +9,11 @@
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
-use sqlx::PgPool;
-
-use crate::db::{QueryError, Step};
-use crate::election::Cause;
+use crate::election::{ElectionError, ElectionStore};
 use crate::run_registry::RegistryError;
 use crate::run_registry::service::RunRegistry;
 use crate::telemetry::Metrics;
+use serde_json::{Value, json};
 
 pub const READINESS_EVERY: Duration = Duration::from_secs(2);
 pub const GAUGES_EVERY: Duration = Duration::from_secs(10);
@@ -45,8 +42,8 @@ pub struct Health {
 
 /// What the background loops probe with.
 pub struct Probes {
-    /// The controllers' pool (not the API's).
-    pub pool: PgPool,
+    /// The election store on the controllers' pool (not the API's).
+    pub election: ElectionStore,
     pub registry: RunRegistry,
     pub kube: kube::Client,
     pub metrics: Arc<Metrics>,
@@ -97,7 +94,7 @@ async fn within<F: std::future::Future<Output = Check>>(probe: F) -> Check {
 /// Probes every dependency at once and records the answer.
 pub async fn probe(health: &Health, p: &Probes) {
     let (postgres, redis, kubernetes) = tokio::join!(
-        within(async { sqlx::query("SELECT 1").execute(&p.pool).await.map(|_| ()).map_err(|e| e.to_string()) }),
+        within(async { p.election.ping().await.map_err(|e| e.to_string()) }),
         within(async { p.registry.ping().await.map_err(|e| e.to_string()) }),
         within(async { p.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string()) }),
     );
@@ -138,26 +135,16 @@ async fn refresh_gauges(p: &Probes) {
     }
 }
 
-async fn postgres_gauges(p: &Probes) -> Result<(), QueryError> {
+async fn postgres_gauges(p: &Probes) -> Result<(), ElectionError> {
     let m = &p.metrics;
-    let causes: Vec<(Cause, i64)> =
-        sqlx::query_as("SELECT cause, count(*) FROM controller_election_events GROUP BY cause")
-            .fetch_all(&p.pool)
-            .await
-            .step("metrics: count election events")?;
-    for (cause, n) in causes {
+    let census = p.election.census().await?;
+    for (cause, n) in census.events {
         m.set_election_events(cause, n);
     }
-    let roles: Vec<(String, bool, i64)> = sqlx::query_as(
-        "SELECT namespace, is_master, count(*) FROM controller_registrations WHERE released_at IS NULL GROUP BY 1, 2",
-    )
-    .fetch_all(&p.pool)
-    .await
-    .step("metrics: count live registrations")?;
-    m.set_registrations(roles);
+    m.set_registrations(census.live);
     match p.registry.census().await {
         Ok(census) => m.set_jobs(&census),
-        Err(RegistryError::Database(e)) => return Err(e),
+        Err(RegistryError::Database(e)) => return Err(e.into()),
         Err(other) => tracing::warn!(error = %other, "metrics: jobs not counted"),
     };
     Ok(())

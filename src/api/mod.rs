@@ -8,7 +8,6 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{any, get};
-use sqlx::PgPool;
 use utoipa::OpenApi as _;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -34,8 +33,6 @@ pub use error::{ApiError, ApiJson};
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
 
 pub struct AppState {
-    /// The API's own Postgres pool (the controllers have theirs).
-    pub db: PgPool,
     pub health: Arc<health::Health>,
     pub kube: kube::Client,
     pub auth: auth::Authorizer,
@@ -104,7 +101,48 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(stateless_routes())
         .fallback(|| async { ApiError::not_found("not_found", "no such endpoint") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_request(())
+                .on_response(request_done)
+                .on_failure(()),
+        )
         .with_state(state)
+}
+
+/// One span per request: method and route now, the caller once authenticated
+/// (`record_caller`), the MCP method once the gate read it, the status at the end.
+/// Store calls are its children (debug spans), so a slow heartbeat can be followed.
+fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
+    let route = request.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str()).unwrap_or("unmatched");
+    tracing::info_span!(
+        "request",
+        otel.name = format!("{} {route}", request.method()),
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = %request.method(),
+        http.route = route,
+        caller = tracing::field::Empty,
+        mcp.method = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    )
+}
+
+fn request_done(response: &Response, latency: std::time::Duration, span: &tracing::Span) {
+    let status = response.status();
+    // As an i64: the OpenTelemetry layer exports a u64 as a string.
+    span.record("http.response.status_code", i64::from(status.as_u16()));
+    if status.is_server_error() {
+        span.record("otel.status_code", "ERROR");
+    }
+    tracing::debug!(status = status.as_u16(), latency_ms = latency.as_secs_f64() * 1000.0, "request answered");
+}
+
+/// Names the caller on the request's span: a Kubernetes username, or `run:<address>`.
+/// Never a token.
+pub fn record_caller(caller: &dyn std::fmt::Display) {
+    tracing::Span::current().record("caller", tracing::field::display(caller));
 }
 
 /// Prometheus text, from memory: the gauges are refreshed in the background

@@ -27,7 +27,6 @@ use kube::Api;
 
 use crate::crd::RunSession;
 use crate::reconcilers::ReconcileMetrics as _;
-use crate::refresh::{self, NamespacedName};
 use crate::run_registry::identity::Identity;
 use crate::run_registry::jobs::{
     Cancel, Cursor, Enqueued, IDEMPOTENCY_KEY_PATTERN, Job, JobFence, JobFilter, JobKind, JobState, MAX_ATTEMPTS_RANGE,
@@ -69,7 +68,10 @@ fn session_token(headers: &HeaderMap) -> Result<&str, ApiError> {
 async fn authenticated(state: &AppState, headers: &HeaderMap) -> Result<(RunAddress, Session), ApiError> {
     let token = session_token(headers)?;
     match state.registry.session(token, None).await? {
-        Ok(s) => Ok(s),
+        Ok(s) => {
+            super::record_caller(&format_args!("run:{}", s.0));
+            Ok(s)
+        }
         Err(refused) => Err(session_refused(refused)),
     }
 }
@@ -118,9 +120,8 @@ pub async fn hello(
         Ok((identity, granted)) => {
             // The session is granted whatever happens next; a lost signal only delays
             // `Online` in status until the reconciler's own requeue.
-            let resource = NamespacedName::new(identity.spec.namespace.as_str(), identity.spec.name.as_str());
-            if let Err(error) = refresh::announce_now(&state.db, refresh::Kind::RunSession, [&resource]).await {
-                tracing::warn!(namespace = %resource.namespace, name = %resource.name, %error,
+            if let Err(error) = state.registry.announce_status(&identity.spec).await {
+                tracing::warn!(namespace = %identity.spec.namespace, name = %identity.spec.name, %error,
                                "hello granted, but its RunSession's status refresh could not be announced");
             }
             Ok((StatusCode::CREATED, Json(granted)))
@@ -224,9 +225,8 @@ async fn drain_changed_announce(state: &AppState, address: &RunAddress) {
             return;
         }
     };
-    let resource = NamespacedName::new(identity.spec.namespace.as_str(), identity.spec.name.as_str());
-    if let Err(error) = refresh::announce_now(&state.db, refresh::Kind::RunSession, [&resource]).await {
-        tracing::warn!(namespace = %resource.namespace, name = %resource.name, %error,
+    if let Err(error) = state.registry.announce_status(&identity.spec).await {
+        tracing::warn!(namespace = %identity.spec.namespace, name = %identity.spec.name, %error,
                        "the Run's drain changed, but its RunSession's status refresh could not be announced");
     }
 }

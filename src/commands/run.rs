@@ -15,6 +15,7 @@ use crate::config::{RunArgs, redact_url};
 use crate::db;
 use crate::election::ElectionStore;
 use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
+use crate::mcp_store::McpStore;
 use crate::reconcilers;
 use crate::reconcilers::status::Written;
 use crate::refresh;
@@ -70,7 +71,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // ended its streams (SPEC §11): until then this replica still leads, and the
     // clients it sends elsewhere find a replica that is not stopping.
     let (lease_stop_tx, lease_stop_rx) = tokio::sync::watch::channel(false);
-    let leading = start_leader_work(&args, &kube, &controller_election, &controller_registry, &metrics, lease_stop_rx);
+    let leading = start_leader_work(
+        &args,
+        &kube,
+        &controller_pool,
+        &controller_election,
+        &controller_registry,
+        &metrics,
+        lease_stop_rx,
+    );
     let election = ElectionStore::with_quotas(api_pool.clone(), quotas);
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
     let Settings { limits, allowed_hosts, session_key, tls } = settings;
@@ -79,7 +88,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     spawn_limit_pruning(limits.clone());
     let health = Arc::new(api::health::Health::default());
     let probes = api::health::Probes {
-        pool: controller_pool,
+        election: controller_election.clone(),
         registry: controller_registry,
         kube: kube.clone(),
         metrics: metrics.clone(),
@@ -89,7 +98,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     api::health::probe(&health, &probes).await;
     api::health::spawn(health.clone(), probes);
     let state = Arc::new(AppState {
-        db: api_pool,
         health,
         auth: api::auth::Authorizer::new(kube.clone(), args.audiences()?, limits.clone()),
         limits,
@@ -135,11 +143,11 @@ async fn mcp_config(
     session_key: Option<api::mcp::SessionKey>,
     pool: &sqlx::PgPool,
 ) -> anyhow::Result<api::mcp::McpConfig> {
+    let subscriptions = McpStore::new(pool.clone());
     let session_key = match session_key {
         Some(key) => key,
-        None => api::mcp::SessionKey::shared(pool).await?,
+        None => api::mcp::SessionKey::shared(&subscriptions).await?,
     };
-    let subscriptions = api::mcp::subscriptions::Subscriptions::new(pool.clone());
     spawn_subscription_pruning(subscriptions.clone());
     Ok(api::mcp::McpConfig { allowed_hosts, session_key, subscriptions })
 }
@@ -164,6 +172,7 @@ async fn open_session_store(args: &RunArgs) -> anyhow::Result<SessionStore> {
 fn start_leader_work(
     args: &RunArgs,
     kube: &kube::Client,
+    pool: &sqlx::PgPool,
     election: &ElectionStore,
     registry: &RunRegistry,
     metrics: &Arc<Metrics>,
@@ -193,7 +202,8 @@ fn start_leader_work(
     let namespace = args.watch_namespace.clone();
     let stale = args.peer_stale_minutes;
     let sweep_every = Duration::from_secs(u64::from(args.sweep_interval_seconds));
-    let pool = election.pool().clone();
+    // The refresh signals are heard on a connection of the controllers' database.
+    let pool = pool.clone();
     // Each term of leadership listens afresh (and so reconciles everything once).
     let leader_work =
         move || reconcilers::lead(ctx.clone(), refresh::listen(pool.clone()), namespace.clone(), stale, sweep_every);
@@ -223,12 +233,12 @@ fn spawn_limit_pruning(limits: Arc<api::limits::Limits>) {
 
 /// MCP subscriptions nobody renewed for a day are deleted (any replica may; the
 /// delete is idempotent).
-fn spawn_subscription_pruning(subscriptions: api::mcp::subscriptions::Subscriptions) {
+fn spawn_subscription_pruning(subscriptions: McpStore) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(600));
         loop {
             tick.tick().await;
-            match subscriptions.prune().await {
+            match api::mcp::subscriptions::prune(&subscriptions).await {
                 Ok(0) => {}
                 Ok(n) => info!(subscriptions = n, "retention: deleted MCP subscriptions nobody renewed"),
                 Err(error) => warn!(%error, "retention: MCP subscriptions could not be pruned"),

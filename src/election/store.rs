@@ -19,7 +19,7 @@ use super::ElectionError;
 use crate::crd::{AgentSurface, ReleaseReason};
 use crate::db::{QueryError, Step, text_enum};
 use crate::refresh::{self, NamespacedName};
-use prism_core::election::{Candidate, Decision, Event, MasterChange, ProjectState, Transition, decide};
+use prism_core::election::{Candidate, Cause, Decision, Event, MasterChange, ProjectState, Transition, decide};
 
 /// How often one operation is tried against concurrent transactions before it reports
 /// `Contended`.
@@ -105,6 +105,15 @@ enum Attempt {
     AlreadyLeft,
 }
 
+/// What the metrics count of the election (`ElectionStore::census`).
+#[derive(Debug, Default)]
+pub struct ElectionCensus {
+    /// Election events by cause, ever (what retention kept).
+    pub events: Vec<(Cause, i64)>,
+    /// Live registrations by (namespace, is master).
+    pub live: Vec<(String, bool, i64)>,
+}
+
 #[derive(Clone)]
 pub struct ElectionStore {
     pool: PgPool,
@@ -127,10 +136,28 @@ impl ElectionStore {
         Self { pool, quotas, namespace_counts }
     }
 
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
+    /// Whether Postgres answers (readiness).
+    pub async fn ping(&self) -> Result<(), ElectionError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await.step("readiness: ping Postgres")?;
+        Ok(())
     }
 
+    /// Election events by cause, and live registrations by namespace and role (metrics).
+    pub async fn census(&self) -> Result<ElectionCensus, ElectionError> {
+        let events = sqlx::query_as("SELECT cause, count(*) FROM controller_election_events GROUP BY cause")
+            .fetch_all(&self.pool)
+            .await
+            .step("metrics: count election events")?;
+        let live = sqlx::query_as(
+            "SELECT namespace, is_master, count(*) FROM controller_registrations WHERE released_at IS NULL GROUP BY 1, 2",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .step("metrics: count live registrations")?;
+        Ok(ElectionCensus { events, live })
+    }
+
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn get(&self, id: Uuid) -> Result<Option<Registration>, ElectionError> {
         let sql = format!("SELECT {COLUMNS} FROM controller_registrations WHERE id = $1");
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -141,6 +168,7 @@ impl ElectionStore {
     }
 
     /// A registration and its owner, by id.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn get_owned(&self, id: Uuid) -> Result<Option<OwnedRegistration>, ElectionError> {
         let sql = format!("SELECT {COLUMNS}, owner FROM controller_registrations WHERE id = $1");
         Ok(sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -151,6 +179,7 @@ impl ElectionStore {
     }
 
     /// The live registration of a session and its owner, if any.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn live_by_session_owned(
         &self,
         namespace: &str,
@@ -168,6 +197,7 @@ impl ElectionStore {
     }
 
     /// The live registration of a session, if any.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn live_by_session(
         &self,
         namespace: &str,
@@ -185,6 +215,7 @@ impl ElectionStore {
     }
 
     /// What a heartbeat answers, in one indexed read.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn live_role(&self, namespace: &str, session_id: &str) -> Result<Option<LiveRole>, ElectionError> {
         Ok(sqlx::query_as(
             "SELECT r.project_id, r.is_master, r.preempted, p.term AS project_term, r.owner FROM controller_registrations r
@@ -200,6 +231,7 @@ impl ElectionStore {
 
     /// Term, master and live registrations of a project (master first, then by succession),
     /// in one read when the project has live registrations.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
         #[derive(sqlx::FromRow)]
         struct LiveWithTerm {
@@ -242,6 +274,7 @@ impl ElectionStore {
 
     /// The projects of a namespace with their terms, by project id, from after `after`
     /// (a page of `limit`): what an MCP client lists as resources.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn projects(
         &self,
         namespace: &str,
@@ -265,6 +298,7 @@ impl ElectionStore {
     /// each is delivered once (concurrent readers take disjoint rows). Only for a caller
     /// that may act on the session: its owner, or anyone when none of its registrations
     /// has one (SPEC §6), so nobody takes another's nudges.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn take_nudges(
         &self,
         namespace: &str,
@@ -290,6 +324,7 @@ impl ElectionStore {
     }
 
     /// Registrations of a project released by the stale sweep since `since`.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn recently_stale(
         &self,
         namespace: &str,
@@ -316,6 +351,7 @@ impl ElectionStore {
     /// `get` it first, which takes no lock. A session owned by someone else than
     /// `new.owner` is neither moved nor stood in for (`NotOwned`); a full quota is
     /// `QuotaExceeded`. Nothing is written in either case.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn register(&self, new: &NewRegistration) -> Result<RegisterOutcome, ElectionError> {
         // The session's live registration on another project, once found: the next
         // attempt leaves it and elects the newcomer in one transaction.
@@ -359,6 +395,7 @@ impl ElectionStore {
     }
 
     /// Live registrations the owner holds now.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn owned_live(&self, owner: &str) -> Result<i64, ElectionError> {
         Ok(sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE owner = $1 AND released_at IS NULL")
             .bind(owner)
@@ -369,6 +406,7 @@ impl ElectionStore {
 
     /// Would one more registration of `owner` in `namespace` exceed a quota? (The cheap
     /// check before any resource is made; `register` checks again, exactly for owners.)
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn check_quota(&self, namespace: &str, owner: Option<&str>) -> Result<(), ElectionError> {
         if let Some(owner) = owner {
             let held = self.owned_live(owner).await?;
@@ -463,6 +501,7 @@ impl ElectionStore {
     /// Releases a registration (wrap, context switch) and promotes a successor if it was
     /// master. Returns whether it was live; releasing an unknown or already released
     /// registration changes nothing.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn release(&self, id: Uuid, reason: ReleaseReason) -> Result<bool, ElectionError> {
         for attempt in 1..=MAX_ATTEMPTS {
             match self.release_once(id, reason).await {
@@ -491,6 +530,7 @@ impl ElectionStore {
     /// Releases live registrations whose heartbeat is older than `stale_minutes`
     /// (`stale_heartbeat_incident`), promoting successors. One replica at a time.
     /// Returns how many it released.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn sweep(&self, stale_minutes: u32) -> Result<usize, ElectionError> {
         let mut lock_conn = self.pool.acquire().await.step("sweep: acquire a connection")?;
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
@@ -576,6 +616,7 @@ impl ElectionStore {
 
     /// Released registrations whose resource may still exist, released over `hours` ago
     /// (in `namespace` only, when given): what retention deletes.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn released_resources(
         &self,
         hours: u32,
@@ -598,6 +639,7 @@ impl ElectionStore {
 
     /// The registration's resource is gone (its finalizer ran, or retention deleted it):
     /// from now on its row may be pruned.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn resource_gone(&self, id: Uuid) -> Result<(), ElectionError> {
         sqlx::query("UPDATE controller_registrations SET resource_gone = TRUE WHERE id = $1 AND NOT resource_gone")
             .bind(id)
@@ -610,6 +652,7 @@ impl ElectionStore {
     /// Deletes what is older than `days`: released rows whose resource is gone, election
     /// history, nudges. In batches, so no statement holds many locks for long. Returns
     /// how many rows of each went.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn prune(&self, days: u32) -> Result<Pruned, ElectionError> {
         let days = days as i32;
         let registrations = prune_batches(&self.pool, "retention: prune released registrations", || {
@@ -656,6 +699,7 @@ impl ElectionStore {
     /// Refreshes `last_heartbeat` of the live registrations of these (namespace,
     /// session_id) pairs in one statement (the heartbeat coalescer calls it with a whole
     /// window's sessions). Returns how many registrations it refreshed.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn touch(&self, sessions: &[(String, String)]) -> Result<u64, ElectionError> {
         if sessions.is_empty() {
             return Ok(0);

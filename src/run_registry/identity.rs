@@ -13,6 +13,7 @@ use uuid::Uuid;
 
 use super::{RegistryError, RunAddress};
 use crate::db::{QueryError, Step};
+use crate::refresh::{self, NamespacedName};
 
 // A Run's identity is the domain's.
 pub use prism_core::run::{Identity, IdentitySpec, Mirror};
@@ -62,6 +63,7 @@ impl IdentityStore {
     /// uids). Two objects of one name cannot live at once, so that one is gone: its row is
     /// revoked and this resource takes the identity, as a rotation (the old key's session
     /// ends). Without this, every restored RunSession would be a duplicate of itself.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn mirror(&self, i: &IdentitySpec) -> Result<Mirror, RegistryError> {
         match self.upsert(i).await? {
             Mirror::Duplicate { owner_namespace, owner_name }
@@ -181,6 +183,7 @@ impl IdentityStore {
     /// the revoked row's epoch whether it is revoked now or was before (a finalizer that
     /// retries after a failed Redis write must fence with it again); None if the row
     /// does not exist.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn revoke(&self, id: Uuid) -> Result<Option<i64>, RegistryError> {
         Ok(sqlx::query_scalar(
             "UPDATE run_identities
@@ -199,6 +202,7 @@ impl IdentityStore {
     /// generation the hello proved, and only for a timestamp after the mark, or at the
     /// mark's second with a nonce not seen in it. One statement, so two hellos never both
     /// pass on one mark, and a key rotated since the identity was read refuses the hello.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn mark_hello(
         &self,
         id: Uuid,
@@ -240,6 +244,7 @@ impl IdentityStore {
 
     /// The namespace of the address's live identity, if `epoch` is its current epoch:
     /// what a session of that epoch may still act in (None: revoked, rotated or gone).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn current_namespace(&self, a: &RunAddress, epoch: i64) -> Result<Option<String>, RegistryError> {
         Ok(self.current(a, epoch).await?.map(|acting| acting.namespace))
     }
@@ -247,6 +252,7 @@ impl IdentityStore {
     /// What a session of `epoch` acts as, if that is the current epoch of the address's
     /// live identity: its namespace, and whether it is paused (one query; None: revoked,
     /// rotated or gone).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn current(&self, a: &RunAddress, epoch: i64) -> Result<Option<Acting>, RegistryError> {
         let row: Option<(String, bool)> = sqlx::query_as(
             "SELECT namespace, paused FROM run_identities
@@ -263,6 +269,7 @@ impl IdentityStore {
 
     /// Deletes identities revoked over `days` ago (retention): their epoch is long out of
     /// Redis and no job of theirs is unfinished. Returns how many.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn prune_revoked(&self, days: u32) -> Result<u64, RegistryError> {
         Ok(crate::election::store::prune_batches(&self.pool, "retention: prune revoked identities", || {
             sqlx::query(
@@ -274,7 +281,15 @@ impl IdentityStore {
         .await?)
     }
 
+    /// Asks the leader to refresh the status of the identity's RunSession now (a Run
+    /// said hello, or started or stopped draining), not at its next requeue.
+    pub async fn announce_status(&self, i: &IdentitySpec) -> Result<(), RegistryError> {
+        let resource = NamespacedName::new(i.namespace.as_str(), i.name.as_str());
+        Ok(refresh::announce_now(&self.pool, refresh::Kind::RunSession, [&resource]).await?)
+    }
+
     /// The live identity of a (server, component).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn live(&self, a: &RunAddress) -> Result<Option<Identity>, RegistryError> {
         let sql = format!(
             "SELECT {COLUMNS} FROM run_identities WHERE server_instance_id = $1 AND component_kind = $2 AND revoked_at IS NULL"
@@ -288,11 +303,13 @@ impl IdentityStore {
     }
 
     /// The live identity of a (server, component) in `namespace` only.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn live_in(&self, namespace: &str, a: &RunAddress) -> Result<Option<Identity>, RegistryError> {
         Ok(self.live(a).await?.filter(|i| i.spec.namespace == namespace))
     }
 
     /// Every live identity of a server (in `namespace`, when given).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn of_server(
         &self,
         server_instance_id: &str,
@@ -312,6 +329,7 @@ impl IdentityStore {
     }
 
     /// Every live (server, component).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "identities"))]
     pub async fn all_addresses(&self) -> Result<Vec<RunAddress>, RegistryError> {
         let rows: Vec<(String, String)> =
             sqlx::query_as("SELECT server_instance_id, component_kind FROM run_identities WHERE revoked_at IS NULL")

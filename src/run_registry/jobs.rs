@@ -392,6 +392,7 @@ impl JobStore {
     /// With an idempotency key, the first job of that key (24 h) answers a repeat; with a
     /// fence, only while its term is the project's master term. One transaction: 20
     /// concurrent identical requests make one job.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn enqueue(&self, namespace: &str, a: &RunAddress, new: &NewJob) -> Result<Enqueued, RegistryError> {
         for _ in 0..3 {
             if let Some(done) = self.try_enqueue(namespace, a, new).await? {
@@ -515,6 +516,7 @@ impl JobStore {
     }
 
     /// One job of `namespace` (another namespace's is no job at all).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<Job>, RegistryError> {
         let mut conn = self.pool.acquire().await.step("read a job: connect")?;
         self.get_in(&mut conn, namespace, id).await
@@ -522,6 +524,7 @@ impl JobStore {
 
     /// A page of `namespace`'s jobs, newest first, after `after`; and the cursor of the
     /// next page when there may be one.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn list(
         &self,
         namespace: &str,
@@ -561,6 +564,7 @@ impl JobStore {
     /// backoff, and for a fenced job only while its term is current. With slots, claims
     /// of one address take turns, so concurrent claims never exceed them; SKIP LOCKED
     /// keeps claims off each other's rows otherwise.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn claim(
         &self,
         namespace: &str,
@@ -591,6 +595,7 @@ impl JobStore {
 
     /// The jobs in flight at `a` (of `namespace`) whose cancel was requested: what the
     /// Run must stop, told in its heartbeat and claim answers.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn cancel_requested(&self, namespace: &str, a: &RunAddress) -> Result<Vec<Uuid>, RegistryError> {
         Ok(sqlx::query_scalar(
             "SELECT id FROM runtime_jobs
@@ -609,6 +614,7 @@ impl JobStore {
     /// Ack, progress or complete a job of the caller's own address and namespace. A Run
     /// that said hello again (new session, same identity) may finish what its previous
     /// session claimed.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn step(
         &self,
         namespace: &str,
@@ -695,6 +701,7 @@ impl JobStore {
 
     /// Cancels a job of `namespace`: a queued one at once, one in flight by a request the
     /// Run is told of (cancelled anyway after the grace). `None`: no such job there.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn cancel(
         &self,
         namespace: &str,
@@ -737,6 +744,7 @@ impl JobStore {
     /// namespace may). Returns how many.
     /// Only jobs enqueued before the identity `revoked` was revoked: a finalizer retried
     /// later must not cancel the work of a newer identity that took the address since.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn cancel_for_identity(
         &self,
         namespace: &str,
@@ -763,6 +771,7 @@ impl JobStore {
 
     /// Deletes finished jobs completed over `days` ago, and idempotency keys past their
     /// 24 h (retention). Returns how many jobs.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn prune_finished(&self, days: u32) -> Result<u64, RegistryError> {
         crate::election::store::prune_batches(&self.pool, "retention: prune idempotency keys", || {
             sqlx::query(
@@ -788,6 +797,7 @@ impl JobStore {
     /// silent) or the deadline — as retryable ends: queued again after the backoff while
     /// attempts are left, else failed for good; a job whose cancel was requested is
     /// cancelled instead. Then cancels in-flight jobs whose cancel grace has passed.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn reap(&self) -> Result<Reaped, RegistryError> {
         let sql = format!(
             "UPDATE runtime_jobs SET
@@ -827,6 +837,7 @@ impl JobStore {
     }
 
     /// Jobs by state, and cancelled jobs by reason, of every address (metrics).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn census(&self) -> Result<JobCensus, RegistryError> {
         let by_state: Vec<(JobState, i64)> = sqlx::query_as("SELECT state, count(*) FROM runtime_jobs GROUP BY state")
             .fetch_all(&self.pool)

@@ -325,6 +325,7 @@ impl RunRegistry {
     }
 
     /// The live identity of an address (in `namespace`, when given).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn identity(&self, namespace: Option<&str>, a: &RunAddress) -> Result<Option<Identity>, RegistryError> {
         match namespace {
             Some(ns) => self.identities.live_in(ns, a).await,
@@ -332,7 +333,14 @@ impl RunRegistry {
         }
     }
 
+    /// The status of the identity's RunSession is refreshed now (`IdentityStore::announce_status`).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
+    pub async fn announce_status(&self, identity: &IdentitySpec) -> Result<(), RegistryError> {
+        self.identities.announce_status(identity).await
+    }
+
     /// Every live identity of a server (in `namespace`, when given).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn identities_of_server(
         &self,
         server_instance_id: &str,
@@ -342,19 +350,23 @@ impl RunRegistry {
     }
 
     /// The session an address holds now, if any.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn session_of(&self, a: &RunAddress) -> Result<Option<Session>, RegistryError> {
         self.sessions.session(a).await
     }
 
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn enqueue(&self, namespace: &str, a: &RunAddress, new: &NewJob) -> Result<Enqueued, RegistryError> {
         self.jobs.enqueue(namespace, a, new).await
     }
 
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn job(&self, namespace: &str, id: Uuid) -> Result<Option<Job>, RegistryError> {
         self.jobs.get(namespace, id).await
     }
 
     /// A page of `namespace`'s jobs, newest first (`JobStore::list`).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn jobs(
         &self,
         namespace: &str,
@@ -366,11 +378,13 @@ impl RunRegistry {
     }
 
     /// A RunSession's identity, mirrored into Postgres (its reconcile).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn mirror(&self, i: &IdentitySpec) -> Result<Mirror, RegistryError> {
         self.identities.mirror(i).await
     }
 
     /// Ends the address's sessions of an epoch older than `epoch` (`SessionStore::fence`).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn fence(
         &self,
         a: &RunAddress,
@@ -384,6 +398,7 @@ impl RunRegistry {
     /// it left unfinished cancelled, and Redis fenced to the revoked epoch, which ends its
     /// session (`revoked_ttl`: how long the fence outlives it). None when the resource
     /// never held the identity; else how many jobs were cancelled.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn revoke(
         &self,
         identity: &IdentitySpec,
@@ -397,26 +412,31 @@ impl RunRegistry {
     }
 
     /// Retention: finished jobs' keys and revoked identities past `days`; how many of each.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn prune(&self, days: u32) -> Result<(u64, u64), RegistryError> {
         Ok((self.jobs.prune_finished(days).await?, self.identities.prune_revoked(days).await?))
     }
 
     /// The job reaper's pass (`JobStore::reap`).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn reap(&self) -> Result<Reaped, RegistryError> {
         self.jobs.reap().await
     }
 
     /// Whether Redis answers.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn ping(&self) -> Result<(), RegistryError> {
         self.sessions.ping().await
     }
 
     /// The jobs by state (metrics).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn census(&self) -> Result<JobCensus, RegistryError> {
         self.jobs.census().await
     }
 
     /// How many live identities hold a session now (metrics).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn online(&self) -> Result<usize, RegistryError> {
         let addresses = self.identities.all_addresses().await?;
         self.sessions.count_live(&addresses).await
@@ -430,6 +450,7 @@ impl RunRegistry {
 
     /// Checks the proof and opens (or rotates) the session. The outer error is
     /// infrastructure (503); the inner one the refusal to report.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn hello(
         &self,
         h: &Hello,
@@ -486,6 +507,7 @@ impl RunRegistry {
     }
 
     /// Checks a session token (renewing the lease when `renew` is given).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn session(
         &self,
         token: &str,
@@ -496,6 +518,7 @@ impl RunRegistry {
 
     /// Checks a session token, as `session` does, and says whether a renewal changed the
     /// session's `draining` (the heartbeat then has the RunSession's status refreshed).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn renew(
         &self,
         token: &str,
@@ -528,6 +551,7 @@ impl RunRegistry {
     /// with the ids of the jobs it holds whose cancel was requested. A drained Run (its
     /// RunSession paused, or the session said it is draining; SPEC §5.1) gets no job, but
     /// still its cancels: its jobs in flight finish normally.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn claim(
         &self,
         address: &RunAddress,
@@ -559,6 +583,7 @@ impl RunRegistry {
     /// Waiting holds no Postgres connection. Each look after a wake reads the session
     /// again: a heartbeat may have changed its kinds, slots or draining, and a newer
     /// hello ends it.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn claim_waiting(
         &self,
         token: &str,
@@ -601,6 +626,7 @@ impl RunRegistry {
     /// The jobs the session's Run holds whose cancel was requested (its heartbeat
     /// answer). A session that no longer acts for its identity holds none. Postgres is
     /// read only when a cancel may be pending for the address (`Signals`).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn cancel_requested(&self, address: &RunAddress, session: &Session) -> Result<Vec<Uuid>, RegistryError> {
         if !self.signals.may_have_cancel(address) {
             return Ok(vec![]);
@@ -613,6 +639,7 @@ impl RunRegistry {
 
     /// Cancels a job of `namespace` (`JobStore::cancel`); a request for a job in flight
     /// is noted here at once, so its Run's next heartbeat on this replica hears of it.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn cancel(
         &self,
         namespace: &str,
@@ -629,6 +656,7 @@ impl RunRegistry {
         Ok(done)
     }
 
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn step(
         &self,
         address: &RunAddress,

@@ -616,6 +616,7 @@ impl SessionStore {
     }
 
     /// Round trip to Redis, for readiness and the redis-up metric, within `PING_BUDGET`.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
     pub async fn ping(&self) -> Result<(), RegistryError> {
         let probe = async {
             match &self.conn {
@@ -661,6 +662,7 @@ impl SessionStore {
 
     /// Writes a new session lease, retiring any live one, if the nonce is fresh. One
     /// script: nonce guard, rotation and lease are a single atomic step.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
     pub async fn hello(
         &self,
         a: &RunAddress,
@@ -699,6 +701,7 @@ impl SessionStore {
     }
 
     /// Checks a token; with a renewal, also extends the lease and stores the snapshot.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
     pub async fn check(
         &self,
         a: &RunAddress,
@@ -748,6 +751,7 @@ impl SessionStore {
     }
 
     /// The live session of an address with what is left of its lease, if any.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
     pub async fn session(&self, a: &RunAddress) -> Result<Option<Session>, RegistryError> {
         let mut conn = self.conn.clone();
         let list: Vec<String> =
@@ -765,6 +769,7 @@ impl SessionStore {
     /// cannot do this: a lease ends by expiring, with no script running, and a cluster
     /// script cannot touch a key outside its Run's slot. A cached gauge would only make
     /// the same cost rarer, and the number stale.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
     pub async fn count_live(&self, addresses: &[RunAddress]) -> Result<usize, RegistryError> {
         if addresses.is_empty() {
             return Ok(0);
@@ -809,6 +814,7 @@ impl SessionStore {
     /// RunSession runs it (level-triggered revocation: a write that failed is made by the
     /// next reconcile), as does the finalizer of a deleted one (with `expires`: the
     /// revoked identity's epoch need not stay forever).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
     pub async fn fence(&self, a: &RunAddress, epoch: i64, expires: Option<Duration>) -> Result<Fenced, RegistryError> {
         let mut conn = self.conn.clone();
         let out: redis::Value = self

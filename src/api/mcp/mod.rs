@@ -49,7 +49,7 @@ pub struct McpConfig {
     pub allowed_hosts: AllowedHosts,
     pub session_key: SessionKey,
     /// `resources/subscribe` of the session-based revisions.
-    pub subscriptions: subscriptions::Subscriptions,
+    pub subscriptions: crate::mcp_store::McpStore,
 }
 
 type Service = StreamableHttpService<tools::PrismTools, NeverSessionManager>;
@@ -103,7 +103,12 @@ impl Endpoint {
                 return Ok(subscriptions::stream(self.state.clone(), follower, session));
             }
             if parts.method == Method::DELETE {
-                self.state.mcp.subscriptions.forget(&session).await.map_err(|e| ApiError::from(e).into_response())?;
+                self.state
+                    .mcp
+                    .subscriptions
+                    .forget(&session.id_digest)
+                    .await
+                    .map_err(|e| ApiError::from(e).into_response())?;
                 return Ok(StatusCode::OK.into_response());
             }
         }
@@ -236,6 +241,11 @@ fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
             rpc_error(StatusCode::BAD_REQUEST, None, ErrorData::parse_error(format!("not JSON: {e}"), None))
         }
     })?;
+    if let Some(method) = peek.method.as_deref() {
+        // The caller's own string: on the request's span, cut to a method name's length.
+        let method: String = method.chars().take(64).collect();
+        tracing::Span::current().record("mcp.method", method.as_str());
+    }
     // Serde reads a struct from an array too; a message is an object (batches are gone
     // from the protocol since 2025-06-18).
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {

@@ -12,9 +12,9 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use sqlx::PgPool;
 
-use crate::db::{QueryError, Step};
+use crate::db::QueryError;
+use crate::mcp_store::McpStore;
 
 const PREFIX: &str = "ms1";
 /// Smallest key accepted from PRISM_MCP_SESSION_KEY, in bytes.
@@ -108,18 +108,10 @@ impl SessionKey {
 
     /// The key every replica of this database shares: the first replica to start writes
     /// a random one, every later start reads it.
-    pub async fn shared(pool: &PgPool) -> Result<Self, SessionKeyError> {
+    pub async fn shared(store: &McpStore) -> Result<Self, SessionKeyError> {
         let mut fresh = [0u8; 32];
         getrandom::fill(&mut fresh).map_err(|e| SessionKeyError::Entropy(e.to_string()))?;
-        sqlx::query("INSERT INTO mcp_session_key (key) VALUES ($1) ON CONFLICT (id) DO NOTHING")
-            .bind(&fresh[..])
-            .execute(pool)
-            .await
-            .step("mcp: store a new session key")?;
-        let key: Vec<u8> = sqlx::query_scalar("SELECT key FROM mcp_session_key WHERE id")
-            .fetch_one(pool)
-            .await
-            .step("mcp: read the shared session key")?;
+        let key = store.shared_session_key(&fresh).await?;
         Self::from_bytes(&key).ok_or(SessionKeyError::Unusable(key.len()))
     }
 

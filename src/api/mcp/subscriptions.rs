@@ -24,19 +24,18 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::Stream;
 use serde_json::json;
-use sqlx::PgPool;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::SessionFacts;
 use super::resources::{Changes, Follower, MAX_FOLLOWED, ProjectUri, any_woken};
-use crate::agent_sessions::ChangeId;
 use crate::api::agents::RESOURCE;
 use crate::api::auth::Caller;
 use crate::api::watch::{KEEPALIVE, RECHECK_EVERY, stopped};
 use crate::api::{ApiError, AppState};
-use crate::db::{QueryError, Step};
-use crate::signals::{MCP_SUBSCRIPTIONS, ProjectKey};
+use crate::db::QueryError;
+use crate::mcp_store::{FollowQuota, McpStore, SessionRows};
+use crate::signals::ProjectKey;
 
 /// Subscriptions one identity may hold over all its sessions.
 pub const MAX_PER_OWNER: i64 = 256;
@@ -45,154 +44,16 @@ pub const RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// An open stream renews its session's rows this often.
 const RENEW_EVERY: Duration = Duration::from_secs(600);
 
-/// The subscriptions of MCP sessions (table `mcp_subscriptions`).
-#[derive(Clone)]
-pub struct Subscriptions {
-    pool: PgPool,
-}
-
-/// A followed resource.
-#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
-pub struct Followed {
-    pub uri: String,
-    pub namespace: String,
-    pub project_id: String,
-    seen_term: Option<i64>,
-    seen_seq: Option<i64>,
-}
-
-impl Followed {
-    /// Where the project stood when the session was last told of it (see `Baseline`).
-    pub fn seen(&self) -> Option<ChangeId> {
-        Some(ChangeId { term: self.seen_term?, seq: self.seen_seq? })
+impl SessionFacts {
+    /// The session's rows in `mcp_subscriptions`.
+    fn rows(&self) -> SessionRows<'_> {
+        SessionRows { session: &self.id_digest, owner: self.owner_digest() }
     }
 }
 
-impl Subscriptions {
-    pub fn new(pool: PgPool) -> Self {
-        Subscriptions { pool }
-    }
-
-    /// Follows `uri` for the session from where the project stands (`seen`, if it could
-    /// be read); false when the session or its owner holds all it may. Subscribing
-    /// again renews, and keeps where the session was last told of it.
-    pub async fn subscribe(
-        &self,
-        session: &SessionFacts,
-        uri: &str,
-        project: &ProjectUri,
-        seen: Option<ChangeId>,
-    ) -> Result<bool, QueryError> {
-        let added: Option<i32> = sqlx::query_scalar(
-            "INSERT INTO mcp_subscriptions (session_digest, owner_digest, uri, namespace, project_id,
-                                            seen_term, seen_seq)
-             SELECT $1, $2, $3, $4, $5, $8, $9
-              WHERE EXISTS (SELECT 1 FROM mcp_subscriptions WHERE session_digest = $1 AND uri = $3)
-                 OR ((SELECT count(*) FROM mcp_subscriptions WHERE session_digest = $1) < $6
-                     AND (SELECT count(*) FROM mcp_subscriptions WHERE owner_digest = $2) < $7)
-             ON CONFLICT (session_digest, uri) DO UPDATE SET renewed_at = now()
-             RETURNING 1",
-        )
-        .bind(&session.id_digest)
-        .bind(session.owner_digest())
-        .bind(uri)
-        .bind(&project.0.namespace)
-        .bind(&project.0.project_id)
-        .bind(MAX_FOLLOWED as i64)
-        .bind(MAX_PER_OWNER)
-        .bind(seen.map(|id| id.term))
-        .bind(seen.map(|id| id.seq))
-        .fetch_optional(&self.pool)
-        .await
-        .step("mcp: subscribe")?;
-        if added.is_some() {
-            self.signal(&session.id_digest).await?;
-        }
-        Ok(added.is_some())
-    }
-
-    pub async fn unsubscribe(&self, session: &SessionFacts, uri: &str) -> Result<(), QueryError> {
-        sqlx::query("DELETE FROM mcp_subscriptions WHERE session_digest = $1 AND uri = $2")
-            .bind(&session.id_digest)
-            .bind(uri)
-            .execute(&self.pool)
-            .await
-            .step("mcp: unsubscribe")?;
-        self.signal(&session.id_digest).await
-    }
-
-    /// The session ended (`DELETE /mcp`): it follows nothing.
-    pub async fn forget(&self, session: &SessionFacts) -> Result<(), QueryError> {
-        sqlx::query("DELETE FROM mcp_subscriptions WHERE session_digest = $1")
-            .bind(&session.id_digest)
-            .execute(&self.pool)
-            .await
-            .step("mcp: forget a session's subscriptions")?;
-        self.signal(&session.id_digest).await
-    }
-
-    /// What the session follows, renewing it when `renew`.
-    pub async fn followed(&self, session: &SessionFacts, renew: bool) -> Result<Vec<Followed>, QueryError> {
-        let sql = if renew {
-            "UPDATE mcp_subscriptions SET renewed_at = now() WHERE session_digest = $1
-             RETURNING uri, namespace, project_id, seen_term, seen_seq"
-        } else {
-            "SELECT uri, namespace, project_id, seen_term, seen_seq FROM mcp_subscriptions WHERE session_digest = $1"
-        };
-        sqlx::query_as(sql)
-            .bind(&session.id_digest)
-            .fetch_all(&self.pool)
-            .await
-            .step("mcp: read a session's subscriptions")
-    }
-
-    /// The session was told of `project` as it stands at `id`.
-    async fn told(&self, session: &SessionFacts, project: &ProjectKey, id: ChangeId) -> Result<(), QueryError> {
-        sqlx::query(
-            "UPDATE mcp_subscriptions SET seen_term = $4, seen_seq = $5
-              WHERE session_digest = $1 AND namespace = $2 AND project_id = $3",
-        )
-        .bind(&session.id_digest)
-        .bind(&project.namespace)
-        .bind(&project.project_id)
-        .bind(id.term)
-        .bind(id.seq)
-        .execute(&self.pool)
-        .await
-        .step("mcp: note what a session was told")?;
-        Ok(())
-    }
-
-    /// Drops the session's subscriptions in `namespace` (its caller may no longer read it).
-    async fn drop_namespace(&self, session: &SessionFacts, namespace: &str) -> Result<(), QueryError> {
-        sqlx::query("DELETE FROM mcp_subscriptions WHERE session_digest = $1 AND namespace = $2")
-            .bind(&session.id_digest)
-            .bind(namespace)
-            .execute(&self.pool)
-            .await
-            .step("mcp: drop a revoked namespace's subscriptions")?;
-        Ok(())
-    }
-
-    /// Deletes rows past `RETENTION`; how many.
-    pub async fn prune(&self) -> Result<u64, QueryError> {
-        let done = sqlx::query("DELETE FROM mcp_subscriptions WHERE renewed_at < now() - make_interval(secs => $1)")
-            .bind(RETENTION.as_secs_f64())
-            .execute(&self.pool)
-            .await
-            .step("mcp: prune old subscriptions")?;
-        Ok(done.rows_affected())
-    }
-
-    async fn signal(&self, digest: &str) -> Result<(), QueryError> {
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(MCP_SUBSCRIPTIONS)
-            .bind(digest)
-            .execute(&self.pool)
-            .await
-            .step("mcp: signal a session's subscriptions")?;
-        Ok(())
-    }
+/// Subscriptions nobody renewed for `RETENTION` are deleted.
+pub async fn prune(store: &McpStore) -> Result<u64, QueryError> {
+    store.prune(RETENTION).await
 }
 
 /// `resources/subscribe`: authorized as status, then kept for the session.
@@ -214,7 +75,8 @@ pub async fn subscribe(
             None
         }
     };
-    if !state.mcp.subscriptions.subscribe(session, uri, &project, seen).await? {
+    let quota = FollowQuota { per_session: MAX_FOLLOWED as i64, per_owner: MAX_PER_OWNER };
+    if !state.mcp.subscriptions.subscribe(session.rows(), uri, &project.0, seen, quota).await? {
         return Err(ApiError::quota_exceeded(format!(
             "this session follows {MAX_FOLLOWED} resources (or your sessions {MAX_PER_OWNER}); unsubscribe first"
         )));
@@ -226,7 +88,7 @@ pub async fn subscribe(
 pub async fn unsubscribe(state: &AppState, session: Option<&SessionFacts>, uri: &str) -> Result<(), ApiError> {
     ProjectUri::parse(uri)?;
     let session = session.ok_or_else(no_session)?;
-    state.mcp.subscriptions.unsubscribe(session, uri).await?;
+    state.mcp.subscriptions.unsubscribe(&session.id_digest, uri).await?;
     state.signals.wake_mcp_session(&session.id_digest);
     Ok(())
 }
@@ -267,14 +129,15 @@ impl SessionStream {
             let resubscribed = session_waiter.armed().woken();
             tokio::pin!(resubscribed);
             crate::failpoints::delay("mcp-session-stream-read").await;
-            let followed = match state.mcp.subscriptions.followed(&self.session, std::mem::take(&mut renewing)).await {
-                Ok(followed) => followed,
-                Err(error) => {
-                    warn!(%error, "mcp: a session's subscriptions could not be read; trying again");
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                    continue;
-                }
-            };
+            let followed =
+                match state.mcp.subscriptions.followed(&self.session.id_digest, std::mem::take(&mut renewing)).await {
+                    Ok(followed) => followed,
+                    Err(error) => {
+                        warn!(%error, "mcp: a session's subscriptions could not be read; trying again");
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                        continue;
+                    }
+                };
             let mut uris: HashMap<ProjectKey, Vec<String>> = HashMap::new();
             for f in followed {
                 let key = ProjectKey { namespace: f.namespace.clone(), project_id: f.project_id.clone() };
@@ -296,7 +159,7 @@ impl SessionStream {
                         }
                     }
                     // A stream opened later starts from here; told again at worst.
-                    if let Err(error) = state.mcp.subscriptions.told(&self.session, &project, id).await {
+                    if let Err(error) = state.mcp.subscriptions.told(&self.session.id_digest, &project, id).await {
                         debug!(%error, "mcp: what a session was told could not be noted");
                     }
                 }
@@ -346,7 +209,8 @@ impl SessionStream {
             match state.auth.allowed(&caller, "list", RESOURCE, namespace, None).await {
                 Ok(true) => {}
                 Ok(false) => {
-                    if let Err(error) = state.mcp.subscriptions.drop_namespace(&self.session, namespace).await {
+                    if let Err(error) = state.mcp.subscriptions.drop_namespace(&self.session.id_digest, namespace).await
+                    {
                         warn!(%error, "mcp: a revoked namespace's subscriptions could not be dropped; ending the stream");
                         return None;
                     }
