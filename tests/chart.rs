@@ -145,6 +145,7 @@ fn bad_values_fail_at_install_time() {
         "redis.mode=sentinel",
         "tls.enabled=maybe",
         "tls.secretName=Not_A_Name",
+        "tracing.otlpEndpoint=collector:4318",
     ] {
         let (ok, _, err) = helm(&["template", "prism", chart.as_str(), "--set", bad], None);
         assert!(!ok, "{bad} must be rejected");
@@ -169,6 +170,23 @@ fn redis_mode_reaches_the_operator() {
     };
     assert_eq!(env_of(&[]), "standalone");
     assert_eq!(env_of(&["--set", "redis.mode=cluster"]), "cluster");
+}
+
+#[test]
+fn traces_are_exported_only_when_an_endpoint_is_given() {
+    let off = operator_container(&render(&[]));
+    assert_eq!(env_value(&off, "OTEL_EXPORTER_OTLP_ENDPOINT"), None, "no export by default");
+    let on = operator_container(&render(&[
+        "--set",
+        "tracing.otlpEndpoint=http://otel-collector.observability:4318",
+        "--set",
+        "tracing.filter=warn\\,prism_operator=info",
+    ]));
+    assert_eq!(
+        env_value(&on, "OTEL_EXPORTER_OTLP_ENDPOINT").as_deref(),
+        Some("http://otel-collector.observability:4318")
+    );
+    assert_eq!(env_value(&on, "PRISM_TRACE_FILTER").as_deref(), Some("warn,prism_operator=info"));
 }
 
 fn find<'a>(docs: &'a [serde_yaml::Value], kind: &str, name: &str) -> Option<&'a serde_yaml::Value> {
