@@ -14,16 +14,17 @@ WORKDIR /src
 # or the lock file rebuilds: against empty stand-ins of the workspace's crates (and of
 # the declared benches, which cargo wants to find), every dependency is compiled once
 # and kept. A change to the sources then recompiles only the workspace's own crates.
-COPY Cargo.toml Cargo.lock build.rs ./
+COPY Cargo.toml Cargo.lock ./
 COPY crates/prism-core/Cargo.toml crates/prism-core/
 COPY crates/prism-kube/Cargo.toml crates/prism-kube/
-RUN mkdir -p src benches migrations crates/prism-core/src crates/prism-kube/src \
+COPY crates/prism-store/Cargo.toml crates/prism-store/build.rs crates/prism-store/
+RUN mkdir -p src benches migrations crates/prism-core/src crates/prism-kube/src crates/prism-store/src \
     && echo 'fn main() {}' > src/main.rs \
-    && touch src/lib.rs crates/prism-core/src/lib.rs crates/prism-kube/src/lib.rs \
+    && touch src/lib.rs crates/prism-core/src/lib.rs crates/prism-kube/src/lib.rs crates/prism-store/src/lib.rs \
     && for bench in $(grep -A1 '^\[\[bench\]\]' Cargo.toml | sed -n 's/^name = "\(.*\)"$/\1/p'); do \
          echo 'fn main() {}' > "benches/$bench.rs"; done \
     && cargo build --release --locked --bin prism-operator \
-    && rm -rf src benches crates/prism-core/src crates/prism-kube/src
+    && rm -rf src benches crates/prism-core/src crates/prism-kube/src crates/prism-store/src
 COPY crates ./crates
 COPY src ./src
 COPY migrations ./migrations
@@ -32,7 +33,7 @@ COPY tests ./tests
 # The sources keep their own modification times, which may be older than the
 # stand-ins' build: touched, so cargo compiles them and not the stand-ins again. The
 # binary goes out and this step's target changes go with it (kept in no layer).
-RUN find src crates benches migrations build.rs -type f -exec touch {} + \
+RUN find src crates benches migrations -type f -exec touch {} + \
     && cargo build --release --locked --bin prism-operator \
     && install -D target/release/prism-operator /out/prism-operator && rm -rf target
 

@@ -99,27 +99,7 @@ pub struct RoutingTable {
     pub nudges: Option<Vec<Nudge>>,
 }
 
-/// Which change of a project a routing table shows: `<term>.<seq>` on a watch (SPEC
-/// §11), `seq` counting the project's election writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ChangeId {
-    pub term: i64,
-    pub seq: i64,
-}
-
-impl std::fmt::Display for ChangeId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}", self.term, self.seq)
-    }
-}
-
-impl std::str::FromStr for ChangeId {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        let (term, seq) = s.split_once('.').ok_or(())?;
-        Ok(ChangeId { term: term.parse().map_err(|_| ())?, seq: seq.parse().map_err(|_| ())? })
-    }
-}
+pub use prism_core::election::ChangeId;
 
 /// A routing table and the change it shows.
 #[derive(Clone, Debug)]

@@ -5,6 +5,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+// Where the stores are, said in their own terms (prism-store), parsed here.
+pub use prism_store::db::redact_url;
+pub use prism_store::run_registry::RedisEndpoint;
 
 #[derive(Debug, Parser)]
 #[command(name = "prism-operator", version, about = "Kubernetes operator for controller elections and Run sessions")]
@@ -382,28 +385,6 @@ fn parse_switch(s: &str) -> Result<bool, String> {
     }
 }
 
-/// Where the runtime registry's Redis is, as REDIS_URL and PRISM_REDIS_MODE say.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum RedisEndpoint {
-    /// One Redis server (or a proxy in front of several).
-    Standalone(String),
-    /// Seed nodes of a Redis Cluster: the client learns the rest of the topology from them.
-    Cluster(Vec<String>),
-}
-
-impl RedisEndpoint {
-    /// For logs and errors: every URL without its password.
-    pub fn redacted(&self) -> String {
-        match self {
-            RedisEndpoint::Standalone(url) => redact_url(url),
-            RedisEndpoint::Cluster(nodes) => {
-                let nodes: Vec<String> = nodes.iter().map(|n| redact_url(n)).collect();
-                format!("cluster {}", nodes.join(","))
-            }
-        }
-    }
-}
-
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
     #[error("{0} is not set (flag --{1})")]
@@ -501,18 +482,6 @@ impl RunArgs {
             return Err(ConfigError::Malformed("PRISM_TOKEN_AUDIENCES", format!("{bad:?} is not an audience")));
         }
         Ok(audiences)
-    }
-}
-
-/// Renders a URL for logs and errors without its password.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let creds = &url[scheme_end + 3..at];
-            let user = creds.split(':').next().unwrap_or_default();
-            format!("{}://{}:***@{}", &url[..scheme_end], user, &url[at + 1..])
-        }
-        _ => url.to_string(),
     }
 }
 

@@ -4,12 +4,11 @@
 // Domain: resource types, the election (pure rules + Postgres), the registry of Runs
 // (proofs, Redis leases, durable jobs).
 pub use prism_kube::crd;
-pub mod election;
-pub mod run_registry;
+pub use prism_store::{election, run_registry};
 // Services over the domain: what agents ask for, what MCP sessions keep, and the
 // signal that a resource's status must be refreshed.
 pub mod agent_sessions;
-pub mod mcp_store;
+pub use prism_store::mcp_store;
 pub mod refresh;
 // Kubernetes glue (the prism-kube crate): reconcilers and the Lease that picks the
 // replica running them.
@@ -18,14 +17,14 @@ pub use prism_kube::{leader, reconcilers};
 // uses to speak it.
 pub mod api;
 pub mod run_client;
-pub mod signals;
+pub use prism_store::signals;
 pub mod transport;
 // Process: configuration, subcommands, database connection, logs and metrics.
 pub mod commands;
 pub mod config;
-pub mod db;
+pub use prism_store::db;
 pub mod failpoints;
-pub mod json_int;
+pub use prism_store::json_int;
 pub mod telemetry;
 pub use prism_kube::time;
 

@@ -13,81 +13,13 @@
 use std::time::Duration;
 
 use kube::runtime::reflector::ObjectRef;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 use tokio::sync::mpsc;
 use tracing::warn;
 
 use crate::crd::{ControllerRegistration, RunSession};
-use crate::db::{QueryError, Step};
 pub use crate::reconcilers::Receivers;
-
-/// A namespaced resource, named as Kubernetes names it.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct NamespacedName {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl NamespacedName {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        Self { namespace: namespace.into(), name: name.into() }
-    }
-
-    fn payload(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
-    }
-
-    fn from_payload(payload: &str) -> Option<Self> {
-        let (namespace, name) = payload.split_once('/')?;
-        (!namespace.is_empty() && !name.is_empty()).then(|| Self::new(namespace, name))
-    }
-}
-
-/// Which reconciler a signal is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    Registration,
-    RunSession,
-}
-
-impl Kind {
-    fn channel(self) -> &'static str {
-        match self {
-            Kind::Registration => "prism_registrations",
-            Kind::RunSession => "prism_runsessions",
-        }
-    }
-}
-
-/// Asks for a status refresh of these resources, delivered when the caller's
-/// transaction commits (or at once outside one).
-pub async fn announce<'a>(
-    conn: &mut PgConnection,
-    kind: Kind,
-    resources: impl IntoIterator<Item = &'a NamespacedName>,
-) -> Result<(), QueryError> {
-    let payloads: Vec<String> = resources.into_iter().map(NamespacedName::payload).collect();
-    if payloads.is_empty() {
-        return Ok(());
-    }
-    sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
-        .bind(kind.channel())
-        .bind(&payloads)
-        .execute(conn)
-        .await
-        .step("refresh: notify")?;
-    Ok(())
-}
-
-/// `announce` on a connection of the pool, for a change that was not a transaction of ours.
-pub async fn announce_now<'a>(
-    pool: &PgPool,
-    kind: Kind,
-    resources: impl IntoIterator<Item = &'a NamespacedName>,
-) -> Result<(), QueryError> {
-    let mut conn = pool.acquire().await.step("refresh: acquire a connection")?;
-    announce(&mut conn, kind, resources).await
-}
+pub use prism_store::refresh::{Kind, NamespacedName, announce, announce_now};
 
 struct Senders {
     registrations: mpsc::UnboundedSender<ObjectRef<ControllerRegistration>>,
@@ -178,15 +110,6 @@ async fn listen_loop(pool: PgPool, senders: Senders) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn payloads_round_trip_and_malformed_ones_are_refused() {
-        let n = NamespacedName::new("agents", "desk-pgr01");
-        assert_eq!(NamespacedName::from_payload(&n.payload()), Some(n));
-        assert_eq!(NamespacedName::from_payload("no-slash"), None);
-        assert_eq!(NamespacedName::from_payload("/name"), None);
-        assert_eq!(NamespacedName::from_payload("ns/"), None);
-    }
 
     #[test]
     fn each_signal_reaches_its_own_kind_once() {

@@ -1,5 +1,6 @@
 //! The layers hold (issue 22). The domain crate (`prism-core`) links none of the outer
-//! layers' crates; the Kubernetes crate (`prism-kube`) none of the stores' or the API's.
+//! layers' crates; the Kubernetes crate (`prism-kube`) none of the stores' or the API's;
+//! the stores' crate (`prism-store`) neither the Kubernetes client nor the API's.
 //! Within each crate, no import cycle: a module's non-test code names other modules as
 //! `crate::…` or `super::…`, and following those names never leads back to where it
 //! started. A cycle would let any layer reach any other; this holds the line within a
@@ -122,6 +123,10 @@ fn the_modules_form_no_import_cycle() {
     assert!(kube.contains_key("reconcilers::registration"), "the walk found the modules");
     let found = cycles(&edges(&kube));
     assert!(found.is_empty(), "import cycles among prism-kube's modules: {found:?}");
+    let store = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/crates/prism-store/src")));
+    assert!(store.contains_key("election::store") && store.contains_key("run_registry::jobs"), "the walk found them");
+    let found = cycles(&edges(&store));
+    assert!(found.is_empty(), "import cycles among prism-store's modules: {found:?}");
 }
 
 #[test]
@@ -211,13 +216,33 @@ fn the_api_runs_no_sql_and_no_redis_command_of_its_own() {
     assert_eq!(api_reaching_drivers(&planted), vec![("api::health".to_string(), "sqlx")]);
 }
 
+/// What the stores must not link: the Kubernetes client and the API's crates. The
+/// reconcilers drive them through prism-core's traits, the API through their methods.
+const KUBE_AND_API: &[&str] = &["kube", "kube_client", "kube_runtime", "k8s_openapi", "axum", "rmcp", "prism_kube"];
+
+#[test]
+fn the_store_crate_links_no_kubernetes_and_no_api() {
+    let store = linked("prism-store");
+    assert!(store.contains("sqlx") && store.contains("redis") && store.contains("prism_core"), "read: {store:?}");
+    let found: Vec<&&str> = KUBE_AND_API.iter().filter(|c| store.contains(**c)).collect();
+    assert!(found.is_empty(), "prism-store links {found:?}; the stores are reached through traits and methods");
+}
+
 #[test]
 fn no_store_hands_out_its_connections() {
     let operator = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")));
-    let open: Vec<&String> = operator
+    let store = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/crates/prism-store/src")));
+    assert!(store.contains_key("election::store") && operator.contains_key("api::mcp"), "the walk found both crates");
+    let open: Vec<String> = [("prism-operator", &operator), ("prism-store", &store)]
         .iter()
-        .filter(|(_, code)| code.contains("pub fn pool(") || code.contains("pub pool:") || code.contains("pub conn:"))
-        .map(|(path, _)| path)
+        .flat_map(|(krate, modules)| {
+            modules
+                .iter()
+                .filter(|(_, code)| {
+                    code.contains("pub fn pool(") || code.contains("pub pool:") || code.contains("pub conn:")
+                })
+                .map(move |(path, _)| format!("{krate}::{path}"))
+        })
         .collect();
     assert!(open.is_empty(), "these modules hand out a store's pool or connection: {open:?}");
 }

@@ -21,14 +21,14 @@ What may legitimately move while a refused request is in flight, and so is excus
 excuse is as narrow as the writer it stands for; see `diff`):
 
 * `controller_registrations.last_heartbeat` of a session that an earlier *accepted* call
-  named: heartbeats are coalesced (SPEC §4 rule 8, src/election/heartbeat.rs), so the
+  named: heartbeats are coalesced (SPEC §4 rule 8, crates/prism-store/src/election/heartbeat.rs), so the
   UPDATE of an accepted call lands up to one window (250 ms) after its answer, i.e. maybe
   while the next request, a refused one, is in flight. Only that column, only forwards,
   only for sessions named by an accepted call in the last `BEAT_WINDOW` seconds; any other
   row's heartbeat that moves is a write.
 * a `runtime_jobs` row whose attempt the job reaper ended: it was claimed or running with
   its visibility deadline (`visible_at`) or attempt deadline (`deadline_at`) passed by the
-  time of the second snapshot, and only the reaper's columns changed (src/run_registry/
+  time of the second snapshot, and only the reaper's columns changed (crates/prism-store/src/run_registry/
   jobs.rs `reap`); or one whose cancel was requested longer than the cancel grace
   (`PRISM_JOB_CANCEL_GRACE_SECONDS`, 30 s) before the second snapshot, ended `cancelled`
   by the reaper; and the `runtime_job_events` rows the database's trigger added for that
@@ -67,7 +67,7 @@ import yaml
 # it: the coalescing window (250 ms) plus the UPDATE's own latency, with a margin for a
 # loaded 2-core machine.
 BEAT_WINDOW = 1.5
-# Columns the job reaper writes (src/run_registry/jobs.rs `reap`), and those a job
+# Columns the job reaper writes (crates/prism-store/src/run_registry/jobs.rs `reap`), and those a job
 # lifecycle with attempts and errors adds to that transition (SPEC §5.1).
 REAPER_COLUMNS = {
     "state", "claimed_at", "visible_at", "claimed_by_session", "updated_at",

@@ -33,13 +33,13 @@ use crate::run_registry::jobs::{
     MAX_ERROR_CHARS, MAX_PAGE, MAX_REASON_CHARS, NewJob, Outcome as JobOutcome, Step, StepRefused,
     TIMEOUT_SECONDS_RANGE, idempotency_key_ok,
 };
-use crate::run_registry::projection::{Lease, SessionView, project};
 use crate::run_registry::service::{
     Granted, Hello, HelloError, Renewed, SessionRefused, StepError, capabilities_schema, capacity_schema,
     check_address, check_jsonb, check_snapshot, heartbeat_interval, server_instance_id_ok,
 };
 use crate::run_registry::sessions::Renewal;
 use crate::run_registry::{RunAddress, Session};
+use prism_kube::projection::{Lease, SessionView, project};
 
 const RESOURCE: &str = "runsessions";
 const MAX_CLAIM: i64 = 100;
@@ -1166,5 +1166,94 @@ mod tests {
             }
         }
 
+    }
+
+    /// The hello path with every input (SPEC §8): the body through the handler's JSON
+    /// extractor, the shape check, then the proof against an identity, at any clock.
+    mod hello_properties {
+        use crate::any_input::{any_string, body_bytes, is_client_error, through_api_json};
+        use crate::run_registry::proof;
+        use crate::run_registry::service::{
+            Hello, ProofRefused, TOKEN_PREFIX, check_hello, check_proof, component_kind_ok, server_instance_id_ok,
+            token_address,
+        };
+        use base64::Engine as _;
+        use base64::engine::general_purpose::STANDARD;
+        use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        use ed25519_dalek::{Signer, SigningKey};
+        use proptest::prelude::*;
+        use serde_json::Value;
+        use serde_json::json;
+
+        fn any_time() -> impl Strategy<Value = i64> {
+            prop_oneof![Just(i64::MIN), Just(i64::MAX), Just(0i64), any::<i64>(), 1_764_399_000i64..1_764_401_000]
+        }
+
+        fn good_hello() -> Value {
+            json!({
+                "server_instance_id": "srv-eu1-7", "component_kind": "run", "key_generation": 3,
+                "timestamp": 1_764_400_000i64, "nonce": "Zk3q9-2LwX0aPq7T", "signature": "AAAA",
+                "version": "1.4.2", "target": {"os": "linux", "arch": "amd64"},
+                "capabilities": ["lifecycle"], "capacity": {"slots": 4}
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(1000))]
+
+            /// Any body, any identity generation and clock: a 4xx-worthy refusal or a
+            /// proof refusal, never a panic; an unsigned hello never passes.
+            #[test]
+            fn every_hello_body_is_answered(
+                bytes in body_bytes(good_hello()), generation in any::<i64>(), now in any_time(), seed in any::<[u8; 32]>(),
+            ) {
+                let public_key = STANDARD.encode(SigningKey::from_bytes(&seed).verifying_key().to_bytes());
+                match through_api_json::<Hello>(bytes) {
+                    Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+                    Ok(h) => {
+                        if check_hello(&h).is_ok() {
+                            prop_assert!(h.key_generation >= 1 && proof::nonce_ok(&h.nonce));
+                            for g in [generation, h.key_generation] {
+                                prop_assert!(check_proof(&h, g, &public_key, now).is_err());
+                            }
+                        }
+                    }
+                }
+            }
+
+            /// A hello signed by the identity's key passes exactly when its timestamp is
+            /// within the window of `now`, whatever the two integers are.
+            #[test]
+            fn a_signed_hello_passes_only_in_the_clock_window(
+                timestamp in any_time(), now in any_time(), generation in 1i64.., seed in any::<[u8; 32]>(),
+                server in "[A-Za-z0-9._-]{1,40}", nonce in "[A-Za-z0-9_-]{16,40}", other in any_string(),
+            ) {
+                let key = SigningKey::from_bytes(&seed);
+                let public_key = STANDARD.encode(key.verifying_key().to_bytes());
+                let message = proof::hello_message(&server, "run", generation, timestamp, &nonce);
+                let h = Hello {
+                    server_instance_id: server, component_kind: "run".into(), key_generation: generation, timestamp,
+                    nonce, signature: STANDARD.encode(key.sign(message.as_bytes()).to_bytes()),
+                    version: None, target: None, capabilities: None, capacity: None,
+                };
+                prop_assert_eq!(check_hello(&h), Ok(()));
+                let expected = if proof::within_clock_window(timestamp, now) { Ok(()) } else { Err(ProofRefused::ClockSkew) };
+                prop_assert_eq!(check_proof(&h, generation, &public_key, now), expected);
+                prop_assert_eq!(check_proof(&h, generation.wrapping_add(1), &public_key, now), Err(ProofRefused::StaleGeneration));
+                prop_assert!(check_proof(&h, generation, &other, timestamp).is_err());
+            }
+
+            /// Session tokens are the caller's text: any string is routed or refused.
+            #[test]
+            fn any_token_is_routed_or_refused(token in any_string(), route in any_string()) {
+                if let Some(a) = token_address(&token) {
+                    prop_assert!(server_instance_id_ok(&a.server_instance_id) && component_kind_ok(&a.component_kind));
+                }
+                let forged = format!("{TOKEN_PREFIX}.{}.{}", URL_SAFE_NO_PAD.encode(&route), "a".repeat(43));
+                if let Some(a) = token_address(&forged) {
+                    prop_assert!(server_instance_id_ok(&a.server_instance_id) && component_kind_ok(&a.component_kind));
+                }
+            }
+        }
     }
 }

@@ -6,11 +6,10 @@ pub mod identity;
 pub mod jobs;
 // The safe projection of a session is the Kubernetes side's (status), and the API's.
 pub use prism_core::proof;
-pub use prism_kube::projection;
 pub mod service;
 pub mod sessions;
 
-pub use self::sessions::{RunAddress, Session, SessionStore, TokenCheck};
+pub use self::sessions::{RedisEndpoint, RunAddress, Session, SessionStore, TokenCheck};
 
 use crate::db::QueryError;
 

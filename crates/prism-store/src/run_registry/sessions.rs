@@ -33,8 +33,30 @@ use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Script, Value};
 use uuid::Uuid;
 
 use super::{RedisStep, RegistryError};
-use crate::config::RedisEndpoint;
+use crate::db::redact_url;
 use prism_core::run::RunTarget;
+
+/// Where the runtime registry's Redis is, as REDIS_URL and PRISM_REDIS_MODE say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RedisEndpoint {
+    /// One Redis server (or a proxy in front of several).
+    Standalone(String),
+    /// Seed nodes of a Redis Cluster: the client learns the rest of the topology from them.
+    Cluster(Vec<String>),
+}
+
+impl RedisEndpoint {
+    /// For logs and errors: every URL without its password.
+    pub fn redacted(&self) -> String {
+        match self {
+            RedisEndpoint::Standalone(url) => redact_url(url),
+            RedisEndpoint::Cluster(nodes) => {
+                let nodes: Vec<String> = nodes.iter().map(|n| redact_url(n)).collect();
+                format!("cluster {}", nodes.join(","))
+            }
+        }
+    }
+}
 
 // A Run's address and session are the domain's.
 pub use prism_core::run::{Fenced, REVOKED_EPOCH_TTL, RunAddress, Session};

@@ -6,7 +6,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
 /// The migrations in `migrations/`, embedded in the binary.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -28,7 +28,7 @@ pub async fn connect_with(url: &str, max_connections: u32) -> Result<PgPool, DbE
         .acquire_timeout(Duration::from_secs(5))
         .connect(url)
         .await
-        .map_err(|source| DbError::Connect { url: crate::config::redact_url(url), source })
+        .map_err(|source| DbError::Connect { url: redact_url(url), source })
 }
 
 /// A pool of one connection to the same database as `pool`, for a LISTEN: a listener
@@ -156,5 +156,17 @@ pub trait Step<T> {
 impl<T> Step<T> for Result<T, sqlx::Error> {
     fn step(self, step: &'static str) -> Result<T, QueryError> {
         self.map_err(|source| QueryError { step, source })
+    }
+}
+
+/// Renders a URL for logs and errors without its password.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let creds = &url[scheme_end + 3..at];
+            let user = creds.split(':').next().unwrap_or_default();
+            format!("{}://{}:***@{}", &url[..scheme_end], user, &url[at + 1..])
+        }
+        _ => url.to_string(),
     }
 }

@@ -16,9 +16,9 @@ use tracing::{debug, warn};
 use uuid::Uuid;
 
 use super::ElectionError;
-use crate::crd::{AgentSurface, ReleaseReason};
 use crate::db::{QueryError, Step, text_enum};
 use crate::refresh::{self, NamespacedName};
+use prism_core::election::{AgentSurface, ReleaseReason};
 use prism_core::election::{Candidate, Cause, Decision, Event, MasterChange, ProjectState, Transition, decide};
 
 /// How often one operation is tried against concurrent transactions before it reports

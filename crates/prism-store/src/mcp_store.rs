@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use crate::agent_sessions::ChangeId;
 use crate::db::{QueryError, Step};
 use crate::signals::{MCP_SUBSCRIPTIONS, ProjectKey};
+use prism_core::election::ChangeId;
 
 /// The MCP sessions' tables.
 #[derive(Clone)]
