@@ -111,7 +111,10 @@ async fn the_first_registration_of_a_project_is_its_master_and_comes_back_in_its
     assert_eq!(server.event_reasons(), ["BecameMaster"]);
     // A live registration comes back in its own slot of the status heartbeat.
     let id = uid_of(&r1);
-    let slots: Vec<Action> = (0..=(after - before).num_milliseconds())
+    // Slots are whole milliseconds: the reconcile's clock falls in one of the
+    // milliseconds from `before`'s to `after`'s, which may be one more than their
+    // difference rounded down (0.7998 → 0.8001 is 0 ms apart but two slots).
+    let slots: Vec<Action> = (0..=(after - before).num_milliseconds() + 1)
         .map(|ms| Action::requeue(next_slot(HEARTBEAT_EVERY, id, before + chrono::Duration::milliseconds(ms))))
         .collect();
     assert!(slots.contains(&action), "{action:?} is not the registration's slot");
