@@ -313,6 +313,8 @@ pub struct RunRegistry {
 }
 
 /// The platform's side and the operator's upkeep: what is asked of one store, passed on.
+/// A call passed on to one store is traced by that store's span; a span here is only for
+/// what does more than one store call.
 impl RunRegistry {
     pub fn new(
         sessions: SessionStore,
@@ -325,7 +327,6 @@ impl RunRegistry {
     }
 
     /// The live identity of an address (in `namespace`, when given).
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn identity(&self, namespace: Option<&str>, a: &RunAddress) -> Result<Option<Identity>, RegistryError> {
         match namespace {
             Some(ns) => self.identities.live_in(ns, a).await,
@@ -340,7 +341,6 @@ impl RunRegistry {
     }
 
     /// Every live identity of a server (in `namespace`, when given).
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn identities_of_server(
         &self,
         server_instance_id: &str,
@@ -350,23 +350,19 @@ impl RunRegistry {
     }
 
     /// The session an address holds now, if any.
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn session_of(&self, a: &RunAddress) -> Result<Option<Session>, RegistryError> {
         self.sessions.session(a).await
     }
 
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn enqueue(&self, namespace: &str, a: &RunAddress, new: &NewJob) -> Result<Enqueued, RegistryError> {
         self.jobs.enqueue(namespace, a, new).await
     }
 
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn job(&self, namespace: &str, id: Uuid) -> Result<Option<Job>, RegistryError> {
         self.jobs.get(namespace, id).await
     }
 
     /// A page of `namespace`'s jobs, newest first (`JobStore::list`).
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn jobs(
         &self,
         namespace: &str,
@@ -378,13 +374,11 @@ impl RunRegistry {
     }
 
     /// A RunSession's identity, mirrored into Postgres (its reconcile).
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn mirror(&self, i: &IdentitySpec) -> Result<Mirror, RegistryError> {
         self.identities.mirror(i).await
     }
 
     /// Ends the address's sessions of an epoch older than `epoch` (`SessionStore::fence`).
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn fence(
         &self,
         a: &RunAddress,
@@ -418,19 +412,16 @@ impl RunRegistry {
     }
 
     /// The job reaper's pass (`JobStore::reap`).
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn reap(&self) -> Result<Reaped, RegistryError> {
         self.jobs.reap().await
     }
 
     /// Whether Redis answers.
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn ping(&self) -> Result<(), RegistryError> {
         self.sessions.ping().await
     }
 
     /// The jobs by state (metrics).
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn census(&self) -> Result<JobCensus, RegistryError> {
         self.jobs.census().await
     }
