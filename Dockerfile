@@ -18,13 +18,16 @@ COPY Cargo.toml Cargo.lock ./
 COPY crates/prism-core/Cargo.toml crates/prism-core/
 COPY crates/prism-kube/Cargo.toml crates/prism-kube/
 COPY crates/prism-store/Cargo.toml crates/prism-store/build.rs crates/prism-store/
-RUN mkdir -p src benches migrations crates/prism-core/src crates/prism-kube/src crates/prism-store/src \
-    && echo 'fn main() {}' > src/main.rs \
-    && touch src/lib.rs crates/prism-core/src/lib.rs crates/prism-kube/src/lib.rs crates/prism-store/src/lib.rs \
+COPY crates/prism-api/Cargo.toml crates/prism-api/
+COPY crates/prism-testkit/Cargo.toml crates/prism-testkit/
+RUN for c in prism-core prism-kube prism-store prism-api prism-testkit; do \
+         mkdir -p crates/$c/src && touch crates/$c/src/lib.rs; done \
+    && mkdir -p src benches migrations \
+    && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
     && for bench in $(grep -A1 '^\[\[bench\]\]' Cargo.toml | sed -n 's/^name = "\(.*\)"$/\1/p'); do \
          echo 'fn main() {}' > "benches/$bench.rs"; done \
     && cargo build --release --locked --bin prism-operator \
-    && rm -rf src benches crates/prism-core/src crates/prism-kube/src crates/prism-store/src
+    && rm -rf src benches crates/*/src
 COPY crates ./crates
 COPY src ./src
 COPY migrations ./migrations

@@ -21,8 +21,7 @@
 //! Postgres's own counters (pg_stat_database) tell what each side cost.
 
 mod common;
-#[path = "../tests/support/mod.rs"]
-mod support;
+use prism_testkit as support;
 
 use std::sync::Arc;
 
@@ -65,7 +64,7 @@ async fn main() {
     if !part("b") && !part("c") {
         return;
     }
-    let cp = support::control_plane();
+    let cp = support::control_plane().await;
     let client = cp.client().await;
     if part("b") {
         bench_heartbeats(cp, &client, &db, &raw_db).await;
@@ -196,7 +195,7 @@ async fn bench_heartbeats(
 ) {
     let ns = support::namespace(client, "benchhb").await;
     let op = support::Operator::start(cp, &db.url, &ns, &[("RUST_LOG", "warn")]).await;
-    let token = support::agent_token(cp, &ns, "bench", &["create"]);
+    let token = support::agent_token(cp, &ns, "bench", &["create"]).await;
     for i in 0..CONCURRENCY {
         support::register(&op, &token, &ns, "HB", &format!("hb-{i}"), "claude_code").await;
     }
@@ -269,7 +268,7 @@ async fn bench_heartbeats(
 /// resource), then with the policy installed as the chart does.
 async fn bench_convergence(cp: &'static support::ControlPlane, client: &kube::Client, db: &support::TestDb) {
     convergence_rounds(cp, client, db, "operator adds finalizer+label").await;
-    support::install_admission_policy(cp);
+    support::install_admission_policy(cp).await;
     convergence_rounds(cp, client, db, "chart's admission policy").await;
 }
 

@@ -10,8 +10,7 @@
 //!   scripts/bench limits   (or: cargo bench --bench limits, with the services up)
 
 mod common;
-#[path = "../tests/support/mod.rs"]
-mod support;
+use prism_testkit as support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -138,11 +137,11 @@ fn p99_ms(windows: &[Window]) -> Vec<f64> {
 #[tokio::main]
 async fn main() {
     let db = support::TestDb::new().await;
-    let cp = support::control_plane();
+    let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "benchlimits").await;
     let op = support::Operator::start(cp, &db.url, &ns, &[("RUST_LOG", "warn")]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "list"]).await;
     for i in 0..AGENTS {
         support::register(&op, &token, &ns, "HB", &format!("hb-{i}"), "claude_code").await;
     }

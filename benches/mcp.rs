@@ -10,8 +10,7 @@
 //!   scripts/bench mcp   (or: cargo bench --bench mcp, with the services up)
 
 mod common;
-#[path = "../tests/support/mod.rs"]
-mod support;
+use prism_testkit as support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,11 +38,11 @@ fn heartbeat_ok(body: &Value) -> bool {
 #[tokio::main]
 async fn main() {
     let db = support::TestDb::new().await;
-    let cp = support::control_plane();
+    let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "benchmcp").await;
     let op = support::Operator::start(cp, &db.url, &ns, &[("RUST_LOG", "warn")]).await;
-    let token = support::agent_token(cp, &ns, "bench", &["create"]);
+    let token = support::agent_token(cp, &ns, "bench", &["create"]).await;
     let http = support::http();
     println!(
         "prism-operator MCP benchmark (concurrency {CONCURRENCY}, {} rounds of {:.1}s windows per kind)\n",

@@ -14,8 +14,7 @@
 //! (or cluster) of the bench's own, so its counters hold only this bench's commands.
 
 mod common;
-#[path = "../tests/support/mod.rs"]
-mod support;
+use prism_testkit as support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -125,11 +124,11 @@ where
 async fn main() {
     let n = runs();
     let cluster = support::redis_cluster_mode();
-    let cp = support::control_plane();
+    let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "benchmetrics").await;
     let db = support::TestDb::new().await;
-    let redis = support::PrivateRedis::start();
+    let redis = support::PrivateRedis::start().await;
     let prefix = support::redis_prefix();
     let op = support::Operator::start(
         cp,

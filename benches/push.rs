@@ -26,8 +26,7 @@
 //!   scripts/bench push   (or: cargo bench --bench push, with the services up)
 
 mod common;
-#[path = "../tests/support/mod.rs"]
-mod support;
+use prism_testkit as support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -159,11 +158,11 @@ async fn main() {
     let n_preemptions = setting("BENCH_PUSH_PREEMPTIONS", 50);
     let n_claims = setting("BENCH_PUSH_CLAIMS", 10_000);
     let n_watches = setting("BENCH_PUSH_WATCHES", 1000);
-    let cp = support::control_plane();
+    let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "benchpush").await;
     let db = support::TestDb::new().await;
-    let redis = support::PrivateRedis::start();
+    let redis = support::PrivateRedis::start().await;
     let prefix = support::redis_prefix();
     let op = support::Operator::start(
         cp,
@@ -180,8 +179,8 @@ async fn main() {
     .await;
     let api: Api<RunSession> = Api::namespaced(client.clone(), &ns);
     let http = reqwest::Client::builder().pool_max_idle_per_host(20_000).build().expect("http client");
-    let platform = support::sa_token(cp, &ns, "platform", "runsessions", &["get", "list", "update"]);
-    let agent = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let platform = support::sa_token(cp, &ns, "platform", "runsessions", &["get", "list", "update"]).await;
+    let agent = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     println!(
         "prism-operator push benchmark: {n_runs} + {n_runs} Runs, {n_preemptions} preemptions, \
          {n_claims} waiting claims + {n_watches} watches idle\n"

@@ -23,8 +23,7 @@
 //! to one redis-server.
 
 mod common;
-#[path = "../tests/support/mod.rs"]
-mod support;
+use prism_testkit as support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -110,12 +109,12 @@ async fn main() {
         !support::redis_cluster_mode(),
         "the runtime benchmark runs on a standalone Redis (unset PRISM_TEST_REDIS)"
     );
-    let cp = support::control_plane();
+    let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "bench").await;
     let db = support::TestDb::new().await;
     let raw_db = support::TestDb::new().await;
-    let redis = support::PrivateRedis::start();
+    let redis = support::PrivateRedis::start().await;
     let prefix = support::redis_prefix();
     let op = support::Operator::start(
         cp,

@@ -33,8 +33,7 @@
 //! Simulated Runs share one HTTP client (a real Run has its own connection).
 
 mod common;
-#[path = "../tests/support/mod.rs"]
-mod support;
+use prism_testkit as support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -102,9 +101,9 @@ fn lag_samples() -> usize {
 #[tokio::main]
 async fn main() {
     assert!(!support::redis_cluster_mode(), "the scale benchmark runs on a standalone Redis (unset PRISM_TEST_REDIS)");
-    let cp = support::control_plane();
+    let cp = support::control_plane().await;
     let client = cp.client().await;
-    support::install_admission_policy(cp);
+    support::install_admission_policy(cp).await;
     let sizes = sizes();
     println!(
         "prism-operator scale benchmark: sizes {sizes:?}, {} rounds below 10,000 and {} at 10,000 and above, status heartbeat {}s, agents heartbeat every {}s, steady window {}s\n",
@@ -146,7 +145,7 @@ impl Drop for Tasks {
 async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usize) {
     let r = rounds_at(n);
     let projects = n / PER_PROJECT;
-    let redis = support::PrivateRedis::start();
+    let redis = support::PrivateRedis::start().await;
     let prefix = support::redis_prefix();
     let env = [("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_PREFIX", prefix.as_str()), ("RUST_LOG", "warn")];
     let line = |figure: &str, values: &[f64]| println!("{}", scale_line(n, figure, values));
@@ -188,7 +187,7 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     let t = Instant::now();
     let (mut tasks, window_runs) = start_runs(&rs_api, &live.op.base, &http, n, CONCURRENCY, &served).await;
     println!("   {} RunSessions created and said hello in {:.1}s", n + CONCURRENCY, t.elapsed().as_secs_f64());
-    let token = support::agent_token(cp, &live.ns, "bench", &["create"]);
+    let token = support::agent_token(cp, &live.ns, "bench", &["create"]).await;
     let every = agent_heartbeat();
     for k in 0..n {
         let (http, base, token, ns, served) =
@@ -346,7 +345,7 @@ async fn steady_state(
     // Continuous load: Postgres publishes each backend's counters up to 10 s late at both
     // ends alike, so the difference over the window is still its work.
     let pg_before = PgActivity::read(&db.pool).await.expect("pg_stat_database");
-    let mine = control_plane_needle(&support::control_plane().kubeconfig);
+    let mine = control_plane_needle(&support::control_plane().await.kubeconfig);
     let cpu_now = || [cpu_seconds(pid), cpu_seconds(redis_pid), cpu_of("kube-apiserver", &mine), cpu_of("etcd", &mine)];
     let cpu_before = cpu_now();
     let runs_before = served.run_heartbeats.load(Ordering::Relaxed);

@@ -1,5 +1,8 @@
 //! prism-operator: controller elections (Postgres) and Run sessions (Redis) as
-//! Kubernetes custom resources.
+//! Kubernetes custom resources. This crate is the binary's: configuration, subcommands,
+//! logs and traces, and the wiring of the layers, which are crates of their own
+//! (docs/src/development/code-layout.md). Their modules are re-exported here under the
+//! names the tests and benches use.
 
 // Domain: resource types, the election (pure rules + Postgres), the registry of Runs
 // (proofs, Redis leases, durable jobs).
@@ -7,33 +10,21 @@ pub use prism_kube::crd;
 pub use prism_store::{election, run_registry};
 // Services over the domain: what agents ask for, what MCP sessions keep, and the
 // signal that a resource's status must be refreshed.
-pub mod agent_sessions;
+pub use prism_api::agent_sessions;
 pub use prism_store::mcp_store;
 pub mod refresh;
 // Kubernetes glue (the prism-kube crate): reconcilers and the Lease that picks the
 // replica running them.
 pub use prism_kube::{leader, reconcilers};
-// The HTTP API, the listener that serves it (TLS, server limits), and the client a Run
-// uses to speak it.
-pub mod api;
-pub mod run_client;
+// The HTTP API (the prism-api crate), the listener that serves it (TLS, server limits),
+// and the client a Run uses to speak it.
+pub use prism_api as api;
+pub use prism_api::{failpoints, install_crypto_provider, metrics, run_client, transport};
 pub use prism_store::signals;
-pub mod transport;
-// Process: configuration, subcommands, database connection, logs and metrics.
+// Process: configuration, subcommands, database connection, logs and traces.
 pub mod commands;
 pub mod config;
 pub use prism_store::db;
-pub mod failpoints;
 pub use prism_store::json_int;
 pub mod telemetry;
 pub use prism_kube::time;
-
-// Strategies for the property tests of every input (tests only).
-#[cfg(test)]
-pub(crate) mod any_input;
-
-/// Selects ring as the process's TLS provider for every client (kube, sqlx, reqwest),
-/// whatever features dependencies enable. Idempotent; call before building clients.
-pub fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}

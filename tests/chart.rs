@@ -1,13 +1,13 @@
 //! The Helm chart: lint, render, schema, CRDs in sync, and a real install into the test
 //! control plane (no kubelet runs there, so objects are checked as accepted, not run).
 
-mod support;
+use prism_testkit as support;
 
 use std::process::Command;
 
 use support::{assets_dir, control_plane, repo_root};
 
-fn helm(args: &[&str], kubeconfig: Option<&std::path::Path>) -> (bool, String, String) {
+fn helm_command(args: &[&str], kubeconfig: Option<&std::path::Path>) -> Command {
     let mut cmd = Command::new(assets_dir().join("helm"));
     cmd.args(args).env("HELM_CACHE_HOME", std::env::temp_dir().join("prism-helm-cache"));
     cmd.env("HELM_CONFIG_HOME", std::env::temp_dir().join("prism-helm-config"));
@@ -15,12 +15,26 @@ fn helm(args: &[&str], kubeconfig: Option<&std::path::Path>) -> (bool, String, S
     if let Some(k) = kubeconfig {
         cmd.env("KUBECONFIG", k);
     }
-    let out = cmd.output().expect("helm runs (scripts/envtest-assets builds it)");
+    cmd
+}
+
+fn helm_result(out: std::io::Result<std::process::Output>) -> (bool, String, String) {
+    let out = out.expect("helm runs (scripts/envtest-assets builds it)");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// helm for the tests that render (no runtime of their own).
+fn helm(args: &[&str], kubeconfig: Option<&std::path::Path>) -> (bool, String, String) {
+    helm_result(helm_command(args, kubeconfig).output())
+}
+
+/// helm for the tests that install (on their runtime, which it leaves free meanwhile).
+async fn helm_async(args: &[&str], kubeconfig: Option<&std::path::Path>) -> (bool, String, String) {
+    helm_result(tokio::process::Command::from(helm_command(args, kubeconfig)).output().await)
 }
 
 fn chart() -> String {
@@ -379,35 +393,36 @@ fn the_demo_redis_has_a_password() {
 
 #[tokio::test]
 async fn installs_into_a_real_api_server_and_uninstalls() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "helm").await;
     let chart = chart();
-    let (ok, out, err) = helm(
+    let (ok, out, err) = helm_async(
         &["install", "prism", chart.as_str(), "--namespace", &ns, "--set", "demo.enabled=true", "--set", "replicas=2"],
         Some(&cp.kubeconfig),
-    );
+    )
+    .await;
     assert!(ok, "helm install: {out}{err}");
     assert!(out.contains("kubectl get prism"), "NOTES tell what to run next: {out}");
-    let deploys = cp.kubectl_ok(&["get", "deploy", "-n", &ns, "-o", "name"]);
+    let deploys = cp.kubectl_ok(&["get", "deploy", "-n", &ns, "-o", "name"]).await;
     for d in ["prism-prism-operator", "prism-prism-operator-postgres", "prism-prism-operator-redis"] {
         assert!(deploys.contains(d), "{deploys}");
     }
     // Least privilege: the ServiceAccount may reconcile, may not read Secrets anywhere.
     let sa = format!("system:serviceaccount:{ns}:prism-prism-operator");
-    let can = |verb: &str, what: &str, in_ns: &str| {
-        cp.kubectl(&["auth", "can-i", verb, what, "-n", in_ns, "--as", &sa], None).stdout.trim().to_string()
+    let can = async |verb: &str, what: &str, in_ns: &str| {
+        cp.kubectl(&["auth", "can-i", verb, what, "-n", in_ns, "--as", &sa], None).await.stdout.trim().to_string()
     };
-    assert_eq!(can("patch", "controllerregistrations.prism.ntecdev.ai/status", "default"), "yes");
-    assert_eq!(can("create", "controllerregistrations.prism.ntecdev.ai", "default"), "yes");
-    assert_eq!(can("create", "runsessions.prism.ntecdev.ai", "default"), "no");
-    assert_eq!(can("delete", "runsessions.prism.ntecdev.ai", "default"), "no");
-    assert_eq!(can("create", "tokenreviews.authentication.k8s.io", "default"), "yes");
-    assert_eq!(can("update", "leases.coordination.k8s.io", &ns), "yes");
-    assert_eq!(can("update", "leases.coordination.k8s.io", "default"), "no", "leases only in its namespace");
-    assert_eq!(can("get", "secrets", "default"), "no");
-    assert_eq!(can("get", "secrets", &ns), "no");
-    assert_eq!(can("list", "secrets", "kube-system"), "no");
+    assert_eq!(can("patch", "controllerregistrations.prism.ntecdev.ai/status", "default").await, "yes");
+    assert_eq!(can("create", "controllerregistrations.prism.ntecdev.ai", "default").await, "yes");
+    assert_eq!(can("create", "runsessions.prism.ntecdev.ai", "default").await, "no");
+    assert_eq!(can("delete", "runsessions.prism.ntecdev.ai", "default").await, "no");
+    assert_eq!(can("create", "tokenreviews.authentication.k8s.io", "default").await, "yes");
+    assert_eq!(can("update", "leases.coordination.k8s.io", &ns).await, "yes");
+    assert_eq!(can("update", "leases.coordination.k8s.io", "default").await, "no", "leases only in its namespace");
+    assert_eq!(can("get", "secrets", "default").await, "no");
+    assert_eq!(can("get", "secrets", &ns).await, "no");
+    assert_eq!(can("list", "secrets", "kube-system").await, "no");
 
     // The cluster serves MutatingAdmissionPolicy, so the install brought the policy: a
     // ControllerRegistration applied as a user would gets the finalizer and project label
@@ -418,11 +433,11 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
             "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {{name: probe, namespace: {ns}, finalizers: [{finalizers}]}}\nspec: {{projectId: '{project}', sessionId: s, agentSurface: codex}}\n"
         )
     };
-    let admitted_with = |project: &str, finalizers: &str| -> serde_json::Value {
+    let admitted_with = async |project: &str, finalizers: &str| -> serde_json::Value {
         let yaml = registration(project, finalizers);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         loop {
-            let out = cp.kubectl(&["create", "--dry-run=server", "-o", "json", "-f", "-"], Some(&yaml));
+            let out = cp.kubectl(&["create", "--dry-run=server", "-o", "json", "-f", "-"], Some(&yaml)).await;
             if out.ok {
                 return serde_json::from_str(&out.stdout).expect("json");
             }
@@ -432,68 +447,72 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
                 "dry-run create: {}",
                 out.stderr
             );
-            std::thread::sleep(std::time::Duration::from_millis(200));
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         }
     };
-    let admitted = |project: &str| admitted_with(project, "");
+    let admitted = async |project: &str| admitted_with(project, "").await;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let obj = loop {
-        let obj = admitted("PID-PGR01");
+        let obj = admitted("PID-PGR01").await;
         if obj["metadata"]["finalizers"].is_array() || std::time::Instant::now() > deadline {
             break obj;
         }
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     };
     assert_eq!(obj["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]), "{obj}");
     assert_eq!(obj["metadata"]["labels"]["prism.ntecdev.ai/project"], "PID-PGR01");
-    let kept = admitted_with("PID-PGR01", "other.io/keep");
+    let kept = admitted_with("PID-PGR01", "other.io/keep").await;
     assert_eq!(kept["metadata"]["finalizers"], serde_json::json!(["other.io/keep", "prism.ntecdev.ai/release"]));
-    let once = admitted_with("PID-PGR01", "prism.ntecdev.ai/release");
+    let once = admitted_with("PID-PGR01", "prism.ntecdev.ai/release").await;
     assert_eq!(once["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]), "not twice");
-    let long = admitted("not a label value");
+    let long = admitted("not a label value").await;
     assert_eq!(long["metadata"]["finalizers"], serde_json::json!(["prism.ntecdev.ai/release"]));
     assert!(long["metadata"]["labels"]["prism.ntecdev.ai/project"].is_null(), "{long}");
 
     // The generated certificate and passwords are kept across an upgrade (lookup).
-    let secret_data = |name: &str| cp.kubectl_ok(&["get", "secret", name, "-n", &ns, "-o", "jsonpath={.data}"]);
-    let before: Vec<String> = ["prism-prism-operator-tls", "prism-operator-db", "prism-operator-redis"]
-        .iter()
-        .map(|n| secret_data(n))
-        .collect();
+    let secrets = async || {
+        let mut data = Vec::new();
+        for name in ["prism-prism-operator-tls", "prism-operator-db", "prism-operator-redis"] {
+            data.push(cp.kubectl_ok(&["get", "secret", name, "-n", &ns, "-o", "jsonpath={.data}"]).await);
+        }
+        data
+    };
+    let before = secrets().await;
     assert!(before[0].contains("ca.crt") && before[2].contains("password"), "{before:?}");
-    let (ok, out, err) = helm(
+    let (ok, out, err) = helm_async(
         &["upgrade", "prism", chart.as_str(), "--namespace", &ns, "--set", "demo.enabled=true", "--set", "replicas=2"],
         Some(&cp.kubeconfig),
-    );
+    )
+    .await;
     assert!(ok, "helm upgrade: {out}{err}");
-    let after: Vec<String> = ["prism-prism-operator-tls", "prism-operator-db", "prism-operator-redis"]
-        .iter()
-        .map(|n| secret_data(n))
-        .collect();
+    let after = secrets().await;
     assert_eq!(before, after, "helm upgrade made new certificates or passwords");
 
-    let (ok, _, err) = helm(&["uninstall", "prism", "--namespace", &ns, "--wait=false"], Some(&cp.kubeconfig));
+    let (ok, _, err) =
+        helm_async(&["uninstall", "prism", "--namespace", &ns, "--wait=false"], Some(&cp.kubeconfig)).await;
     assert!(ok, "helm uninstall: {err}");
-    let left = cp.kubectl_ok(&[
-        "get",
-        "deploy,clusterrole,mutatingadmissionpolicy,mutatingadmissionpolicybinding",
-        "-A",
-        "-l",
-        "app.kubernetes.io/instance=prism",
-        "-o",
-        "name",
-    ]);
+    let left = cp
+        .kubectl_ok(&[
+            "get",
+            "deploy,clusterrole,mutatingadmissionpolicy,mutatingadmissionpolicybinding",
+            "-A",
+            "-l",
+            "app.kubernetes.io/instance=prism",
+            "-o",
+            "name",
+        ])
+        .await;
     assert!(left.trim().is_empty(), "left behind: {left}");
 }
 
 #[tokio::test]
 async fn with_a_watched_namespace_the_operator_may_act_there_only() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "helm-scoped").await;
     let team = support::namespace(&client, "team").await;
     let chart = chart();
-    let (ok, out, err) = helm(
+    let (ok, out, err) = helm_async(
         &[
             "install",
             "scoped",
@@ -508,36 +527,31 @@ async fn with_a_watched_namespace_the_operator_may_act_there_only() {
             "tls.secretName=scoped-cert",
         ],
         Some(&cp.kubeconfig),
-    );
+    )
+    .await;
     assert!(ok, "helm install: {out}{err}");
     let sa = format!("system:serviceaccount:{ns}:scoped-prism-operator");
-    let can = |verb: &str, what: &str, in_ns: &str| {
-        cp.kubectl(&["auth", "can-i", verb, what, "-n", in_ns, "--as", &sa], None).stdout.trim().to_string()
+    let can = async |verb: &str, what: &str, in_ns: &str| {
+        cp.kubectl(&["auth", "can-i", verb, what, "-n", in_ns, "--as", &sa], None).await.stdout.trim().to_string()
     };
-    assert_eq!(can("watch", "controllerregistrations.prism.ntecdev.ai", &team), "yes");
-    assert_eq!(can("create", "controllerregistrations.prism.ntecdev.ai", &team), "yes");
-    assert_eq!(can("patch", "runsessions.prism.ntecdev.ai/status", &team), "yes");
-    assert_eq!(can("create", "events.events.k8s.io", &team), "yes");
+    assert_eq!(can("watch", "controllerregistrations.prism.ntecdev.ai", &team).await, "yes");
+    assert_eq!(can("create", "controllerregistrations.prism.ntecdev.ai", &team).await, "yes");
+    assert_eq!(can("patch", "runsessions.prism.ntecdev.ai/status", &team).await, "yes");
+    assert_eq!(can("create", "events.events.k8s.io", &team).await, "yes");
     for elsewhere in ["default", ns.as_str()] {
-        assert_eq!(can("list", "controllerregistrations.prism.ntecdev.ai", elsewhere), "no", "{elsewhere}");
-        assert_eq!(can("create", "events.events.k8s.io", elsewhere), "no", "{elsewhere}");
+        assert_eq!(can("list", "controllerregistrations.prism.ntecdev.ai", elsewhere).await, "no", "{elsewhere}");
+        assert_eq!(can("create", "events.events.k8s.io", elsewhere).await, "no", "{elsewhere}");
     }
-    assert_eq!(can("create", "tokenreviews.authentication.k8s.io", "default"), "yes");
-    assert_eq!(can("create", "subjectaccessreviews.authorization.k8s.io", "default"), "yes");
+    assert_eq!(can("create", "tokenreviews.authentication.k8s.io", "default").await, "yes");
+    assert_eq!(can("create", "subjectaccessreviews.authorization.k8s.io", "default").await, "yes");
     // The user's Secret is theirs: the chart made none.
-    let secrets = cp.kubectl_ok(&["get", "secrets", "-n", &ns, "-o", "name"]);
+    let secrets = cp.kubectl_ok(&["get", "secrets", "-n", &ns, "-o", "name"]).await;
     assert!(!secrets.contains("scoped-cert") && !secrets.contains("-tls"), "{secrets}");
-    let (ok, _, err) = helm(&["uninstall", "scoped", "--namespace", &ns, "--wait=false"], Some(&cp.kubeconfig));
+    let (ok, _, err) =
+        helm_async(&["uninstall", "scoped", "--namespace", &ns, "--wait=false"], Some(&cp.kubeconfig)).await;
     assert!(ok, "helm uninstall: {err}");
-    let left = cp.kubectl_ok(&[
-        "get",
-        "role,rolebinding",
-        "-n",
-        &team,
-        "-l",
-        "app.kubernetes.io/instance=scoped",
-        "-o",
-        "name",
-    ]);
+    let left = cp
+        .kubectl_ok(&["get", "role,rolebinding", "-n", &team, "-l", "app.kubernetes.io/instance=scoped", "-o", "name"])
+        .await;
     assert!(left.trim().is_empty(), "left behind: {left}");
 }

@@ -2,7 +2,7 @@
 //! answering /healthz and /readyz against real Postgres, Redis and kube-apiserver, and
 //! `jobs list|get|cancel` (also as `kubectl prism jobs`) against a real operator's API.
 
-mod support;
+use prism_testkit as support;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -117,7 +117,7 @@ async fn migrate_subcommand_is_idempotent() {
 
 #[tokio::test]
 async fn run_serves_health_and_readiness() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "run").await;
     let db = TestDb::empty().await;
@@ -143,7 +143,7 @@ async fn run_serves_health_and_readiness() {
 
 #[tokio::test]
 async fn readyz_reports_an_unreachable_redis() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "noredis").await;
     let db = TestDb::empty().await;
@@ -161,7 +161,7 @@ async fn readyz_reports_an_unreachable_redis() {
 
 #[tokio::test]
 async fn works_as_a_kubectl_plugin() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "plugin").await;
     // Installed as `kubectl-prism` on PATH, kubectl finds it as `kubectl prism`.
@@ -213,14 +213,14 @@ struct JobsWorld {
 const JOBS_SERVER: &str = "srv-cli";
 
 async fn jobs_world(hint: &str, env: &[(&str, &str)], http: reqwest::Client) -> JobsWorld {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, hint).await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, env).await;
     let api: kube::Api<prism_operator::crd::RunSession> = kube::Api::namespaced(client, &ns);
     let key = support::create_run_session(&api, "jobs-run", JOBS_SERVER, None).await;
-    let token = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "list", "update"]);
+    let token = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "list", "update"]).await;
     JobsWorld { cp, ns, op, http, token, key, _db: db }
 }
 
@@ -414,7 +414,7 @@ async fn jobs_list_get_and_cancel_through_the_api() {
     // Another tenant's platform: refused, and nothing of the jobs is printed.
     let client = w.cp.client().await;
     let other_ns = support::namespace(&client, "jobs-other").await;
-    let other = support::sa_token(w.cp, &other_ns, "dispatcher", "runsessions", &["get", "list", "update"]);
+    let other = support::sa_token(w.cp, &other_ns, "dispatcher", "runsessions", &["get", "list", "update"]).await;
     let leaks = |line: &str| {
         enqueued.iter().filter(|j| j.as_str() != enqueued[1]).any(|j| line.contains(j.as_str()))
             || line.contains("payload-marker")
@@ -432,7 +432,7 @@ async fn jobs_list_get_and_cancel_through_the_api() {
         assert!(!leaks(line), "{args:?} names another tenant's job: {line}");
     }
     // A reader may read, not cancel.
-    let reader = support::sa_token(w.cp, ns, "reader", "runsessions", &["get", "list"]);
+    let reader = support::sa_token(w.cp, ns, "reader", "runsessions", &["get", "list"]).await;
     assert_eq!(ids(&w.jobs(&reader, &["list", "-n", ns, "-o", "json"]).json()).len(), 3);
     let refused = w.jobs(&reader, &["cancel", &enqueued[1], "-n", ns]);
     assert!(refused.refused().starts_with("error: forbidden: "), "{}", refused.stderr);
@@ -563,12 +563,12 @@ fn jobs_without_a_token_or_with_bad_flags_is_a_one_line_error() {
 #[tokio::test]
 async fn status_watch_prints_the_table_again_at_each_change() {
     use tokio::io::AsyncBufReadExt;
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "status-w").await;
     let db = support::TestDb::new().await;
     let op = support::Operator::start(cp, &db.url, &ns, &[]).await;
-    let agent = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let agent = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
 
     let bin_dir = std::env::temp_dir().join(format!("prism-plugin-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&bin_dir).expect("dir");

@@ -1,6 +1,6 @@
 //! CRD behaviour through a real kube-apiserver: what `kubectl apply` users hit.
 
-mod support;
+use prism_testkit as support;
 
 use kube::api::{ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use kube::{Api, Resource};
@@ -59,7 +59,7 @@ fn api_error(e: kube::Error) -> (u16, String) {
 
 #[tokio::test]
 async fn valid_registration_is_accepted_and_bad_surface_rejected() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "creg").await;
     let ar = ApiResource::erase::<ControllerRegistration>(&());
@@ -97,7 +97,7 @@ async fn valid_registration_is_accepted_and_bad_surface_rejected() {
 
 #[tokio::test]
 async fn registration_spec_is_immutable() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "immut").await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
@@ -122,7 +122,7 @@ async fn registration_spec_is_immutable() {
 
 #[tokio::test]
 async fn kubectl_get_prints_the_columns() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "cols").await;
     let ar = ApiResource::erase::<ControllerRegistration>(&());
@@ -135,7 +135,7 @@ async fn kubectl_get_prints_the_columns() {
     let rs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &rs_ar);
     rs.create(&PostParams::default(), &rsess("srv-eu1-7-run", "srv-eu1-7", "run", KEY_A, 3)).await.expect("created");
 
-    let out = cp.kubectl_ok(&["get", "creg", "-n", &ns]);
+    let out = cp.kubectl_ok(&["get", "creg", "-n", &ns]).await;
     let header: Vec<&str> = out.lines().next().unwrap_or_default().split_whitespace().collect();
     assert_eq!(header, ["NAME", "PROJECT", "SURFACE", "ROLE", "TERM", "HEARTBEAT", "STALE", "AGE"], "{out}");
     assert!(
@@ -144,24 +144,26 @@ async fn kubectl_get_prints_the_columns() {
     );
 
     // spec.projectId is a selectable field.
-    let out = cp.kubectl_ok(&[
-        "get",
-        "controllerregistrations",
-        "-n",
-        &ns,
-        "--field-selector",
-        "spec.projectId=PID-PGR01",
-        "-o",
-        "name",
-    ]);
+    let out = cp
+        .kubectl_ok(&[
+            "get",
+            "controllerregistrations",
+            "-n",
+            &ns,
+            "--field-selector",
+            "spec.projectId=PID-PGR01",
+            "-o",
+            "name",
+        ])
+        .await;
     assert_eq!(out.trim(), "controllerregistration.prism.ntecdev.ai/desk-pgr01");
 
-    let out = cp.kubectl_ok(&["get", "rsess", "-n", &ns]);
+    let out = cp.kubectl_ok(&["get", "rsess", "-n", &ns]).await;
     let header: Vec<&str> = out.lines().next().unwrap_or_default().split_whitespace().collect();
     assert_eq!(header, ["NAME", "SERVER", "COMPONENT", "PHASE", "VERSION", "HEARTBEAT", "AGE"], "{out}");
 
     // Both kinds are in the `prism` category.
-    let out = cp.kubectl_ok(&["get", "prism", "-n", &ns, "-o", "name"]);
+    let out = cp.kubectl_ok(&["get", "prism", "-n", &ns, "-o", "name"]).await;
     let mut names: Vec<&str> = out.lines().collect();
     names.sort();
     assert_eq!(
@@ -176,13 +178,13 @@ async fn kubectl_get_prints_the_columns() {
 
 #[tokio::test]
 async fn kubectl_apply_of_a_bad_surface_fails_with_the_allowed_values() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "apply").await;
     let manifest = format!(
         "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {{name: x, namespace: {ns}}}\nspec: {{projectId: P, sessionId: s, agentSurface: emacs}}\n"
     );
-    let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest));
+    let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest)).await;
     assert!(!out.ok);
     assert!(out.stderr.contains("Unsupported value: \"emacs\""), "{}", out.stderr);
     assert!(out.stderr.contains("\"claude_desktop\""), "lists the allowed values: {}", out.stderr);
@@ -190,7 +192,7 @@ async fn kubectl_apply_of_a_bad_surface_fails_with_the_allowed_values() {
 
 #[tokio::test]
 async fn run_session_schema_guards_identity_and_credential() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "rsess").await;
     let ar = ApiResource::erase::<RunSession>(&());

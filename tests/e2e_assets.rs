@@ -9,11 +9,11 @@ use std::process::Command;
 use std::time::Duration;
 
 use prism_operator::election::Cause;
+use prism_operator::metrics::Metrics;
 use prism_operator::reconcilers::ReconcileMetrics as _;
-use prism_operator::telemetry::Metrics;
 use support::repo_root;
 
-mod support;
+use prism_testkit as support;
 
 fn dashboard() -> serde_json::Value {
     let path = repo_root().join("charts/prism-operator/dashboards/prism-operator.json");
@@ -196,4 +196,30 @@ fn chart_ships_the_dashboard_only_when_enabled() {
     let json = cm["data"]["prism-operator.json"].as_str().expect("the dashboard in the ConfigMap");
     let shipped: serde_json::Value = serde_json::from_str(json).expect("valid JSON in the ConfigMap");
     assert_eq!(shipped, dashboard(), "the ConfigMap carries the dashboard file unchanged");
+}
+
+/// The image's dependency layer is built against stand-ins of every workspace crate: a
+/// crate the Dockerfile does not know fails `docker build` (cargo cannot load the
+/// workspace), which only the kind run would show, an hour later.
+#[test]
+fn the_dockerfile_knows_every_workspace_crate() {
+    let manifest: toml_edit::DocumentMut =
+        std::fs::read_to_string(repo_root().join("Cargo.toml")).expect("Cargo.toml").parse().expect("TOML");
+    let members: Vec<String> = manifest["workspace"]["members"]
+        .as_array()
+        .expect("workspace members")
+        .iter()
+        .filter_map(|m| m.as_str())
+        .filter(|m| *m != ".")
+        .map(str::to_string)
+        .collect();
+    assert!(members.len() >= 4, "the workspace was read: {members:?}");
+    let dockerfile = std::fs::read_to_string(repo_root().join("Dockerfile")).expect("Dockerfile");
+    for member in &members {
+        let crate_name = member.rsplit('/').next().unwrap_or(member);
+        assert!(
+            dockerfile.contains(&format!("COPY {member}/Cargo.toml")) && dockerfile.contains(crate_name),
+            "the Dockerfile's dependency layer does not copy {member}/Cargo.toml nor make its stand-in"
+        );
+    }
 }

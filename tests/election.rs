@@ -1,7 +1,7 @@
 //! The election end to end: real kube-apiserver, real Postgres, the operator process
 //! reconciling, agents over HTTP. The seed's seven smoke scenarios and more.
 
-mod support;
+use prism_testkit as support;
 
 use std::collections::BTreeMap;
 
@@ -40,7 +40,7 @@ async fn history(pool: &sqlx::PgPool, ns: &str, project: &str) -> Vec<(i64, Opti
 
 #[tokio::test]
 async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "elect").await;
     let db = TestDb::new().await;
@@ -151,12 +151,12 @@ async fn scenarios_1_to_4_master_peer_preemption_and_wrap() {
 
 #[tokio::test]
 async fn scenario_5_context_switch_and_6_routing_table_over_http() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "switch").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     let http = support::http();
     let register = |project: &'static str, session: &'static str, surface: &'static str| {
         support::register(&op, &token, &ns, project, session, surface)
@@ -201,7 +201,8 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
     assert_eq!(table["master"]["name"], second_name.as_str());
     assert_eq!(table["caller"]["session_id"], "sess-2");
     assert_eq!(table["peers"].as_array().map(Vec::len), Some(0));
-    let out = cp.kubectl_ok(&["get", "creg", "-n", &ns, "--field-selector", "spec.projectId=PID-A", "--no-headers"]);
+    let out =
+        cp.kubectl_ok(&["get", "creg", "-n", &ns, "--field-selector", "spec.projectId=PID-A", "--no-headers"]).await;
     let roles: BTreeMap<String, String> = out
         .lines()
         .map(|l| {
@@ -277,14 +278,14 @@ async fn scenario_5_context_switch_and_6_routing_table_over_http() {
 
 #[tokio::test]
 async fn scenario_7_stale_registrations_are_swept_and_a_heartbeat_keeps_its_own() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "sweep").await;
     let db = TestDb::new().await;
     // The first operator finds nothing stale (a week's threshold), so the registrations'
     // ages are set up below without a sweep racing the setup.
     let op = Operator::start(cp, &db.url, &ns, &[("PRISM_CONTROLLER_PEER_STALE_MINUTES", "10080")]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create"]).await;
     let http = support::http();
     let heartbeat = |op: &Operator, session: &str| {
         http.post(op.url("/api/v1/controller/heartbeat"))
@@ -295,19 +296,19 @@ async fn scenario_7_stale_registrations_are_swept_and_a_heartbeat_keeps_its_own(
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
     // Created with kubectl by the agent itself: with the chart's admission policy they are
     // the agent's, whose heartbeat then keeps its own (without it they have no owner).
-    let agent_k = support::api_server_token(cp, &ns, "agent");
-    let create = |name: &str, session: &str, surface: &str| {
+    let agent_k = support::api_server_token(cp, &ns, "agent").await;
+    let create = async |name: &str, session: &str, surface: &str| {
         let yaml = format!(
             "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {{name: {name}, namespace: {ns}}}\nspec: {{projectId: P, sessionId: {session}, agentSurface: {surface}}}\n"
         );
-        let out = cp.kubectl_as(&agent_k, &["create", "-f", "-"], Some(&yaml));
+        let out = cp.kubectl_as(&agent_k, &["create", "-f", "-"], Some(&yaml)).await;
         assert!(out.ok, "create {name}: {}", out.stderr);
     };
-    create("m", "s-m", "codex");
+    create("m", "s-m", "codex").await;
     wait_status(&api, "m", "m master", |s| s.role == Role::Master).await;
     // q registers before p: were both kept, q would succeed m.
     for (name, session) in [("q", "s-q"), ("p", "s-p")] {
-        create(name, session, "other");
+        create(name, session, "other").await;
         wait_status(&api, name, &format!("{name} peer"), |s| s.role == Role::Peer).await;
     }
 
@@ -391,7 +392,7 @@ async fn scenario_7_stale_registrations_are_swept_and_a_heartbeat_keeps_its_own(
 
 #[tokio::test]
 async fn fifty_concurrent_registrations_elect_exactly_one_master() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "fifty").await;
     let db = TestDb::new().await;
@@ -431,12 +432,12 @@ async fn fifty_concurrent_registrations_elect_exactly_one_master() {
 
 #[tokio::test]
 async fn requests_without_rights_are_refused_and_change_nothing() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "authz").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let reader = support::agent_token(cp, &ns, "reader", &["get", "list"]);
+    let reader = support::agent_token(cp, &ns, "reader", &["get", "list"]).await;
     let http = support::http();
     let body = json!({"namespace": ns, "project_id": "P", "session_id": "s", "agent_surface": "codex"});
     let post = |token: Option<&str>, body: &Value| {
@@ -456,7 +457,7 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
         assert_eq!(r.json::<Value>().await.expect("json")["error"]["code"], code);
     }
     // Bad input is a 4xx with a code, even for an authorized caller.
-    let writer = support::agent_token(cp, &ns, "writer", &["create"]);
+    let writer = support::agent_token(cp, &ns, "writer", &["create"]).await;
     for (bad, status, code) in [
         (
             json!({"namespace": ns, "project_id": "P", "session_id": "s", "agent_surface": "emacs"}),
@@ -507,10 +508,10 @@ async fn requests_without_rights_are_refused_and_change_nothing() {
 
 #[tokio::test]
 async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "pgrestart").await;
-    let pg = support::PrivatePostgres::start();
+    let pg = support::PrivatePostgres::start().await;
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&pg.url).await.expect("connect");
     let op = Operator::start(cp, &pg.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
@@ -521,7 +522,7 @@ async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
     wait_status(&api, "p", "p peer", |s| s.role == Role::Peer).await;
 
     pool.close().await;
-    pg.ctl("stop");
+    pg.ctl("stop").await;
     // While Postgres is down: readiness says so, and a wrap cannot complete (the
     // finalizer holds the resource until the release is committed).
     let http = support::http();
@@ -535,7 +536,7 @@ async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     assert!(api.get_opt("m").await.expect("get").is_some(), "m must wait for the database");
 
-    pg.ctl("start");
+    pg.ctl("start").await;
     // Converges: m released and gone; the desktop masters; p is its peer.
     eventually(30, "m released and deleted", || async { api.get_opt("m").await.ok()?.is_none().then_some(()) }).await;
     let d = wait_status(&api, "d", "desktop master", |s| s.role == Role::Master).await;

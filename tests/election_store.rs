@@ -1,7 +1,7 @@
 //! The election store against real Postgres, without Kubernetes: transactions, races,
 //! the context switch's nudge, and heartbeat coalescing.
 
-mod support;
+use prism_testkit as support;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};

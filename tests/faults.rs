@@ -6,7 +6,7 @@
 //! API acknowledged is in the database, and an operator process answers again without a
 //! restart.
 
-mod support;
+use prism_testkit as support;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -117,7 +117,7 @@ async fn after_the_storm(op: &Operator, token: &str, ns: &str, db_url: &str, ack
         assert!(n >= 1, "acknowledged registration of {session} on {project} is in the database");
     }
     pool.close().await;
-    let (ok, stdout) = faults::check_invariants(db_url, &["--namespace-prefix", ns]);
+    let (ok, stdout) = faults::check_invariants(db_url, &["--namespace-prefix", ns]).await;
     println!("{stdout}");
     assert!(ok, "invariants after {what}:\n{stdout}");
 }
@@ -125,12 +125,12 @@ async fn after_the_storm(op: &Operator, token: &str, ns: &str, db_url: &str, ack
 #[tokio::test]
 async fn killed_backends_mid_election_storm_leave_no_half_applied_change() {
     let seed = faults::seed();
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "pgfaults").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
 
     let (stop, killed, killer) =
         backend_killer(&support::admin_database_url(), &db.name, Duration::from_millis(150)).await;
@@ -163,11 +163,11 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
     use prism_operator::run_client::RunClient;
 
     const JOBS: usize = 300;
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "pgclaims").await;
     let db = TestDb::new().await;
-    let redis = support::PrivateRedis::start();
+    let redis = support::PrivateRedis::start().await;
     let prefix = support::redis_prefix();
     let op = Operator::start(
         cp,
@@ -190,7 +190,7 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
         (n == 1).then_some(())
     })
     .await;
-    let token = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "update"]);
+    let token = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "update"]).await;
     let http = support::http();
     for _ in 0..JOBS {
         let r = http
@@ -272,7 +272,8 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
     let file = std::env::temp_dir().join(format!("prism-completions-{}", uuid::Uuid::new_v4().simple()));
     std::fs::write(&file, completions.join("\n")).expect("write completions");
     let (ok, stdout) =
-        faults::check_invariants(&db.url, &["--namespace-prefix", &ns, "--completions", file.to_str().expect("utf-8")]);
+        faults::check_invariants(&db.url, &["--namespace-prefix", &ns, "--completions", file.to_str().expect("utf-8")])
+            .await;
     let _ = std::fs::remove_file(&file);
     println!("{stdout}");
     assert!(ok, "invariants after backend kills during claims:\n{stdout}");
@@ -283,19 +284,19 @@ async fn killed_backends_mid_claims_complete_every_job_at_most_once() {
 #[tokio::test]
 async fn a_postgres_restart_mid_storm_leaves_no_half_applied_change() {
     let seed = faults::seed();
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "pgrestart-storm").await;
-    let pg = Arc::new(support::PrivatePostgres::start());
+    let pg = Arc::new(support::PrivatePostgres::start().await);
     let op = Operator::start(cp, &pg.url, &ns, &[]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     let restarter = {
         let pg = pg.clone();
-        tokio::task::spawn_blocking(move || {
-            std::thread::sleep(Duration::from_millis(300));
-            pg.ctl("stop");
-            std::thread::sleep(Duration::from_secs(2));
-            pg.ctl("start");
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            pg.ctl("stop").await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            pg.ctl("start").await;
         })
     };
     let (acknowledged, refused) = storm(&op, &token, &ns, seed).await;
@@ -311,7 +312,7 @@ async fn a_postgres_restart_mid_storm_leaves_no_half_applied_change() {
 #[tokio::test]
 async fn the_leader_killed_mid_storm_leaves_no_half_applied_change() {
     let seed = faults::seed();
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "leaderkill").await;
     let db = TestDb::new().await;
@@ -320,7 +321,7 @@ async fn the_leader_killed_mid_storm_leaves_no_half_applied_change() {
         async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
     };
     let mut replicas = [Some(start("faults-a").await), Some(start("faults-b").await)];
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     let holder = || support::lease_holder(&client);
     let first = support::eventually(30, "a replica holds the Lease", || async { holder().await }).await;
     let leader = if first == "faults-a" { 0 } else { 1 };

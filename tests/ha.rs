@@ -2,7 +2,7 @@
 //! Lease holder reconciles, the other takes over within the lease duration when the
 //! leader dies, and Postgres never shows two masters of a project.
 
-mod support;
+use prism_testkit as support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,7 +46,7 @@ fn assert_standby_idle(samples: &[Sample], standby: usize, leader: &str) {
 
 #[tokio::test]
 async fn the_standby_takes_over_when_the_leader_dies() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "ha").await;
     let db = TestDb::new().await;

@@ -6,7 +6,7 @@
 //! Run also with the chart's RBAC and admission policy (PRISM_TEST_OPERATOR_RBAC=chart,
 //! scripts/test does): then kubectl registrations carry the owner the policy stamps.
 
-mod support;
+use prism_testkit as support;
 
 use std::time::Duration;
 
@@ -72,15 +72,15 @@ fn creg_yaml(name: &str, ns: &str, project: &str, session: &str) -> String {
 /// `SessionNotOwned`, and the owner's session, role, term and nudges are untouched.
 #[tokio::test]
 async fn a_kubectl_registration_never_moves_another_identitys_session() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-own").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    let alice = support::agent_token(cp, &ns, "alice", &ALL);
-    support::sa_token(cp, &ns, "creator", "controllerregistrations", &["create", "get"]);
-    let creator = support::api_server_token(cp, &ns, "creator");
+    let alice = support::agent_token(cp, &ns, "alice", &ALL).await;
+    support::sa_token(cp, &ns, "creator", "controllerregistrations", &["create", "get"]).await;
+    let creator = support::api_server_token(cp, &ns, "creator").await;
 
     let (status, _) = register(&op, &alice, &ns, "P", "s-alice", "codex").await;
     assert_eq!(status, 200);
@@ -94,7 +94,8 @@ async fn a_kubectl_registration_never_moves_another_identitys_session() {
 
     // Elsewhere (a context switch of her session) and on her own project (a duplicate).
     for (name, project) in [("steal-elsewhere", "Q"), ("steal-same", "P")] {
-        let out = cp.kubectl_as(&creator, &["create", "-f", "-"], Some(&creg_yaml(name, &ns, project, "s-alice")));
+        let out =
+            cp.kubectl_as(&creator, &["create", "-f", "-"], Some(&creg_yaml(name, &ns, project, "s-alice"))).await;
         assert!(out.ok, "the create itself is allowed by RBAC: {}", out.stderr);
         let obj = support::wait_for(&api, name, 15, "SessionNotOwned", |o| {
             ready_reason(o).is_some_and(|(s, r)| s == "False" && r == "SessionNotOwned")
@@ -122,8 +123,9 @@ async fn a_kubectl_registration_never_moves_another_identitys_session() {
     // Her own kubectl registration: with the chart's policy it is hers (the owner it
     // stamps is her username) and switches her session; without it no owner is known,
     // and an unowned registration never displaces an owned session.
-    let alice_k = support::api_server_token(cp, &ns, "alice");
-    let out = cp.kubectl_as(&alice_k, &["create", "-f", "-"], Some(&creg_yaml("mine-elsewhere", &ns, "R", "s-alice")));
+    let alice_k = support::api_server_token(cp, &ns, "alice").await;
+    let out =
+        cp.kubectl_as(&alice_k, &["create", "-f", "-"], Some(&creg_yaml("mine-elsewhere", &ns, "R", "s-alice"))).await;
     assert!(out.ok, "{}", out.stderr);
     if support::chart_mode() {
         support::role(&api, "mine-elsewhere", prism_operator::crd::Role::Master, 15).await;
@@ -141,14 +143,14 @@ async fn a_kubectl_registration_never_moves_another_identitys_session() {
 /// would bring a refused or wrapped session back to life), and goes away.
 #[tokio::test]
 async fn refused_and_concurrent_registers_leave_nothing_behind() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-reg").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[("PRISM_MAX_SESSIONS_PER_IDENTITY", "3")]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    let alice = support::agent_token(cp, &ns, "alice", &ALL);
-    let bob = support::agent_token(cp, &ns, "bob", &ALL);
+    let alice = support::agent_token(cp, &ns, "alice", &ALL).await;
+    let bob = support::agent_token(cp, &ns, "bob", &ALL).await;
     assert_eq!(register(&op, &alice, &ns, "P", "s-alice", "codex").await.0, 200);
 
     // Bob's register of her session, here and elsewhere: 403, and nothing at all made.
@@ -314,7 +316,7 @@ async fn no_old_key_authorizes_anything_within_5_s_of_a_rotation_or_deletion() {
     second.hello().await.expect("hello with the new key");
     assert!(second.heartbeat().await.is_ok());
     let (_key3, public3) = run_client::new_key().expect("key");
-    w.pause_writes(3000);
+    w.pause_writes(3000).await;
     let rotate = json!({"spec": {"credential": {"publicKey": public3, "generation": 3}}});
     w.api.patch("r", &PatchParams::default(), &Patch::Merge(&rotate)).await.expect("rotate");
     let rotated_at = std::time::Instant::now();
@@ -339,7 +341,7 @@ async fn no_old_key_authorizes_anything_within_5_s_of_a_rotation_or_deletion() {
     let w2 = runs("h-revoke-del", &[]).await;
     let mut run = w2.run("d", "srv-d", None).await;
     run.hello().await.expect("hello");
-    w2.pause_writes(3000);
+    w2.pause_writes(3000).await;
     w2.api.delete("d", &DeleteParams::default()).await.expect("delete");
     let deleted_at = std::time::Instant::now();
     tokio::time::sleep(Duration::from_secs(5).saturating_sub(deleted_at.elapsed())).await;
@@ -361,7 +363,7 @@ async fn a_hello_cannot_be_replayed_after_redis_forgets_its_nonces() {
     let earlier = run.hello_body(now - 60, "earlier-nonce-000001");
     let signed = run.hello_body(now, "captured-nonce-00001");
     run.post_hello(&signed).await.expect("the real Run's hello");
-    w.redis.flushall();
+    w.redis.flushall().await;
     let replayed = run.post_hello(&signed).await.expect_err("a replay after FLUSHALL");
     assert_eq!(refusal(&replayed), "replayed_nonce");
     let older = run.post_hello(&earlier).await.expect_err("an older signed hello");
@@ -378,12 +380,12 @@ async fn a_hello_cannot_be_replayed_after_redis_forgets_its_nonces() {
 /// 403 for "none", "not yours" and "another tenant's", naming nobody.
 #[tokio::test]
 async fn jobs_and_identities_stay_in_their_tenant() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let a = support::namespace(&client, "h-ta").await;
     let b = support::namespace(&client, "h-tb").await;
     let db = TestDb::new().await;
-    let redis = PrivateRedis::start();
+    let redis = PrivateRedis::start().await;
     let prefix = support::redis_prefix();
     let env = [("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_PREFIX", prefix.as_str())];
     // One operator per tenant namespace over the same database and Redis (two replicas,
@@ -392,9 +394,9 @@ async fn jobs_and_identities_stay_in_their_tenant() {
     let _op_b = Operator::start(cp, &db.url, &b, &env).await;
     let api_a: Api<RunSession> = Api::namespaced(client.clone(), &a);
     let api_b: Api<RunSession> = Api::namespaced(client.clone(), &b);
-    let disp_a = support::sa_token(cp, &a, "dispatcher", "runsessions", &["get", "list", "update"]);
-    let disp_b = support::sa_token(cp, &b, "dispatcher", "runsessions", &["get", "list", "update"]);
-    let nobody = support::sa_token(cp, &a, "nobody", "configmaps", &["get"]);
+    let disp_a = support::sa_token(cp, &a, "dispatcher", "runsessions", &["get", "list", "update"]).await;
+    let disp_b = support::sa_token(cp, &b, "dispatcher", "runsessions", &["get", "list", "update"]).await;
+    let nobody = support::sa_token(cp, &a, "nobody", "configmaps", &["get"]).await;
 
     let key_a = support::create_run_session(&api_a, "owner-run", "srv-x", None).await;
     support::phase(&api_a, "owner-run", RunPhase::Pending, 10).await;
@@ -509,17 +511,17 @@ async fn jobs_and_identities_stay_in_their_tenant() {
 /// refreshes nothing; the owner's call does.
 #[tokio::test]
 async fn a_read_only_identity_keeps_no_session_alive() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-read").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    let reader = support::agent_token(cp, &ns, "dashboard", &["get", "list"]);
-    let agent = support::agent_token(cp, &ns, "agent", &ALL);
+    let reader = support::agent_token(cp, &ns, "dashboard", &["get", "list"]).await;
+    let agent = support::agent_token(cp, &ns, "agent", &ALL).await;
     // The agent's own kubectl registration (with the chart's policy it is the agent's).
-    let agent_k = support::api_server_token(cp, &ns, "agent");
-    let out = cp.kubectl_as(&agent_k, &["create", "-f", "-"], Some(&creg_yaml("by-kubectl", &ns, "P", "s-k")));
+    let agent_k = support::api_server_token(cp, &ns, "agent").await;
+    let out = cp.kubectl_as(&agent_k, &["create", "-f", "-"], Some(&creg_yaml("by-kubectl", &ns, "P", "s-k"))).await;
     assert!(out.ok, "{}", out.stderr);
     support::role(&api, "by-kubectl", prism_operator::crd::Role::Master, 15).await;
     let heartbeat_of = || async {
@@ -571,13 +573,13 @@ async fn a_read_only_identity_keeps_no_session_alive() {
 /// to the authorization cache.
 #[tokio::test]
 async fn tokens_are_audience_bound_and_decisions_are_cached_by_the_whole_identity() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-aud").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let bound = support::agent_token(cp, &ns, "agent", &ALL);
-    let cluster_wide = support::api_server_token(cp, &ns, "agent");
+    let bound = support::agent_token(cp, &ns, "agent", &ALL).await;
+    let cluster_wide = support::api_server_token(cp, &ns, "agent").await;
     let (status, answer) = register(&op, &cluster_wide, &ns, "P", "s-1", "codex").await;
     assert_eq!((status, code(&answer)), (401, "invalid_token"), "a token for the API server is no agent token");
     assert_eq!(register(&op, &bound, &ns, "P", "s-1", "codex").await.0, 200);
@@ -602,7 +604,7 @@ async fn tokens_are_audience_bound_and_decisions_are_cached_by_the_whole_identit
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "people"},
          "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "prism-people"}]}
     ]});
-    let out = cp.kubectl(&["apply", "-f", "-"], Some(&binding.to_string()));
+    let out = cp.kubectl(&["apply", "-f", "-"], Some(&binding.to_string())).await;
     assert!(out.ok, "{}", out.stderr);
     let outsider = std::fs::read_to_string(dir.join("person-token-other")).expect("person-token-other");
     eventually(10, "the binding in effect", || async {
@@ -619,14 +621,14 @@ async fn tokens_are_audience_bound_and_decisions_are_cached_by_the_whole_identit
 /// served throughout; hellos for one Run identity are limited too.
 #[tokio::test]
 async fn a_flood_of_random_tokens_or_hellos_is_rate_limited() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-rate").await;
     let db = TestDb::new().await;
     let op =
         Operator::start(cp, &db.url, &ns, &[("PRISM_UNAUTHENTICATED_RATE", "2"), ("PRISM_UNAUTHENTICATED_BURST", "5")])
             .await;
-    let agent = support::agent_token(cp, &ns, "agent", &ALL);
+    let agent = support::agent_token(cp, &ns, "agent", &ALL).await;
     let status_path = format!("/api/v1/controller/P/status?namespace={ns}");
     assert_eq!(get(&op, &agent, &status_path).await.0, 200, "the agent's token is known now");
     let mut limited = 0;
@@ -678,13 +680,13 @@ async fn a_flood_of_random_tokens_or_hellos_is_rate_limited() {
 /// wrap is told it is master.
 #[tokio::test]
 async fn an_answer_is_never_older_than_the_change_before_it() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-fresh").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let agent = support::agent_token(cp, &ns, "agent", &ALL);
-    let desk = support::agent_token(cp, &ns, "desk", &ALL);
+    let agent = support::agent_token(cp, &ns, "agent", &ALL).await;
+    let desk = support::agent_token(cp, &ns, "desk", &ALL).await;
     let beat = |session: &str| {
         post(&op, &agent, "/api/v1/controller/heartbeat", json!({"namespace": ns, "session_id": session}))
     };
@@ -719,13 +721,13 @@ async fn an_answer_is_never_older_than_the_change_before_it() {
 /// and nothing is written.
 #[tokio::test]
 async fn identifiers_with_control_characters_are_refused_everywhere() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-print").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    let agent = support::agent_token(cp, &ns, "agent", &ALL);
+    let agent = support::agent_token(cp, &ns, "agent", &ALL).await;
     for (project, session) in
         [("P\nX", "s-1"), ("P", "s\r2"), ("P\u{7f}", "s-3"), ("P", "s\u{85}4"), ("P\u{1b}[31m", "s-5")]
     {
@@ -752,13 +754,13 @@ async fn identifiers_with_control_characters_are_refused_everywhere() {
 /// took its name.
 #[tokio::test]
 async fn releasing_an_old_id_never_deletes_a_new_resource_of_its_name() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-name").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    let agent = support::agent_token(cp, &ns, "agent", &ALL);
+    let agent = support::agent_token(cp, &ns, "agent", &ALL).await;
     let first = api
         .create(&PostParams::default(), &support::creg("reused", "P", "s-a", prism_operator::crd::AgentSurface::Codex))
         .await
@@ -794,13 +796,13 @@ async fn releasing_an_old_id_never_deletes_a_new_resource_of_its_name() {
 /// live ones stay.
 #[tokio::test]
 async fn released_resources_and_old_history_are_deleted() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-keep").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[("PRISM_RETENTION_INTERVAL_SECONDS", "1")]).await;
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
-    let agent = support::agent_token(cp, &ns, "agent", &ALL);
+    let agent = support::agent_token(cp, &ns, "agent", &ALL).await;
     // A session that switches project leaves a Released resource behind.
     let (_, first) = register(&op, &agent, &ns, "P", "s-move", "codex").await;
     let old_name = first["registration"]["name"].as_str().expect("name").to_string();
@@ -862,12 +864,12 @@ async fn released_resources_and_old_history_are_deleted() {
 /// connection held by a blocked call) does not fail /readyz.
 #[tokio::test]
 async fn health_routes_are_snapshots_and_survive_a_saturated_api_pool() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "h-health").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[("PRISM_API_DB_CONNECTIONS", "1")]).await;
-    let agent = support::agent_token(cp, &ns, "agent", &ALL);
+    let agent = support::agent_token(cp, &ns, "agent", &ALL).await;
     eventually(10, "ready", || async {
         (http().get(op.url("/readyz")).send().await.ok()?.status() == 200).then_some(())
     })

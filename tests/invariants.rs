@@ -4,23 +4,23 @@
 //! project, the rule and the row for the second. The fault harness of issue #12 runs it
 //! after its faults.
 
-mod support;
+use prism_testkit as support;
 
 use support::{Operator, TestDb, control_plane};
 
 /// Runs the checker; returns (exit success, stdout).
-fn check(db_url: &str, args: &[&str]) -> (bool, String) {
-    support::faults::check_invariants(db_url, args)
+async fn check(db_url: &str, args: &[&str]) -> (bool, String) {
+    support::faults::check_invariants(db_url, args).await
 }
 
 #[tokio::test]
 async fn the_checker_passes_a_real_history_and_names_a_forged_row() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "invariants").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     let register = |project: &str, session: &str, surface: &str| {
         let (project, session, surface) = (project.to_string(), session.to_string(), surface.to_string());
         let (op, token, ns) = (&op, &token, &ns);
@@ -38,7 +38,7 @@ async fn the_checker_passes_a_real_history_and_names_a_forged_row() {
         register(&format!("PID-INV-ELSEWHERE-{p}"), &format!("desk-{p}"), "claude_desktop").await;
     }
 
-    let (ok, out) = check(&db.url, &["--namespace-prefix", &ns]);
+    let (ok, out) = check(&db.url, &["--namespace-prefix", &ns]).await;
     assert!(ok, "a history the operator wrote holds the invariants:\n{out}");
     assert!(out.contains("projects 6, changes of master 12"), "{out}");
 
@@ -60,7 +60,7 @@ async fn the_checker_passes_a_real_history_and_names_a_forged_row() {
     .execute(&db.pool)
     .await
     .expect("forge a row");
-    let (ok, out) = check(&db.url, &["--namespace-prefix", &ns]);
+    let (ok, out) = check(&db.url, &["--namespace-prefix", &ns]).await;
     assert!(!ok, "the forged row is found:\n{out}");
     let line = out.lines().find(|l| l.starts_with("VIOLATION")).unwrap_or_default();
     assert!(
@@ -72,7 +72,8 @@ async fn the_checker_passes_a_real_history_and_names_a_forged_row() {
     let file = std::env::temp_dir().join(format!("prism-completions-{}", uuid::Uuid::new_v4().simple()));
     std::fs::write(&file, "job-a\njob-b\njob-a\n").expect("write");
     let (ok, out) =
-        check(&db.url, &["--namespace-prefix", "no-such-namespace-", "--completions", file.to_str().expect("utf-8")]);
+        check(&db.url, &["--namespace-prefix", "no-such-namespace-", "--completions", file.to_str().expect("utf-8")])
+            .await;
     let _ = std::fs::remove_file(&file);
     assert!(!ok && out.contains("job job-a: acknowledged as completed 2 times"), "{out}");
 }
@@ -90,9 +91,9 @@ async fn the_checker_names_a_durable_row_that_changed() {
     }
     let file = std::env::temp_dir().join(format!("prism-durable-{}", uuid::Uuid::new_v4().simple()));
     let file = file.to_str().expect("utf-8").to_string();
-    let (ok, out) = check(&db.url, &["--save-durable", &file]);
+    let (ok, out) = check(&db.url, &["--save-durable", &file]).await;
     assert!(ok && out.contains("saved 2 durable rows"), "{out}");
-    let (ok, out) = check(&db.url, &["--durable-before", &file]);
+    let (ok, out) = check(&db.url, &["--durable-before", &file]).await;
     assert!(ok && out.contains("durable rows compared 2"), "unchanged rows pass:\n{out}");
 
     sqlx::query("UPDATE run_identities SET updated_at = now() + interval '1 second' WHERE id = $1")
@@ -100,7 +101,7 @@ async fn the_checker_names_a_durable_row_that_changed() {
         .execute(&db.pool)
         .await
         .expect("touch a row");
-    let (ok, out) = check(&db.url, &["--durable-before", &file]);
+    let (ok, out) = check(&db.url, &["--durable-before", &file]).await;
     let _ = std::fs::remove_file(&file);
     assert!(!ok, "a changed row is a violation:\n{out}");
     let line = out.lines().find(|l| l.starts_with("VIOLATION")).unwrap_or_default();
@@ -148,7 +149,7 @@ async fn the_checker_names_a_job_finished_twice_claimed_too_often_or_claimed_aft
     ] {
         sqlx::query(step).bind(job).execute(&db.pool).await.expect(step);
     }
-    let (ok, out) = check(&db.url, &["--namespace-prefix", "ns-inv"]);
+    let (ok, out) = check(&db.url, &["--namespace-prefix", "ns-inv"]).await;
     assert!(ok, "{out}");
     assert!(out.contains("claims 2"), "{out}");
     // A finished job cannot be changed: the database refuses it.
@@ -179,7 +180,7 @@ async fn the_checker_names_a_job_finished_twice_claimed_too_often_or_claimed_aft
         .execute(&db.pool)
         .await
         .expect("forge");
-    let (ok, out) = check(&db.url, &["--namespace-prefix", "no-such-namespace-"]);
+    let (ok, out) = check(&db.url, &["--namespace-prefix", "no-such-namespace-"]).await;
     assert!(!ok, "{out}");
     let violations: Vec<&str> = out.lines().filter(|l| l.starts_with("VIOLATION")).collect();
     let has = |needle: &str| violations.iter().any(|l| l.contains(&format!("job {job}")) && l.contains(needle));

@@ -3,7 +3,7 @@
 //! a platform speaking the HTTP API with Kubernetes tokens. Each test plays what a user
 //! would meet, races included.
 
-mod support;
+use prism_testkit as support;
 
 use std::time::Duration;
 
@@ -21,8 +21,8 @@ struct Platform {
 }
 
 impl Platform {
-    fn new(w: &World) -> Platform {
-        let token = support::sa_token(w.cp, &w.ns, "platform", "runsessions", &["get", "list", "update"]);
+    async fn new(w: &World) -> Platform {
+        let token = support::sa_token(w.cp, &w.ns, "platform", "runsessions", &["get", "list", "update"]).await;
         Platform { base: w.op.base.clone(), ns: w.ns.clone(), token }
     }
 
@@ -116,7 +116,7 @@ async fn complete(run: &RunClient, id: &str, body: Value) -> Result<Value, (u16,
 #[tokio::test]
 async fn jobs_are_read_and_listed_in_pages_and_only_by_their_tenant() {
     let w = World::start("jobs-read", &[]).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let _a = w.run("run-a", "srv-a", None).await;
     let _b = w.run("run-b", "srv-b", None).await;
     let mut ids = vec![];
@@ -183,7 +183,7 @@ async fn jobs_are_read_and_listed_in_pages_and_only_by_their_tenant() {
     // A tenant of another namespace, with full rights there: 403 for this namespace's
     // jobs, the same for a job id that exists nowhere; nothing of the job in the answer.
     let other_ns = support::namespace(&w.client, "jobs-other").await;
-    let outsider = support::sa_token(w.cp, &other_ns, "platform", "runsessions", &["get", "list", "update"]);
+    let outsider = support::sa_token(w.cp, &other_ns, "platform", "runsessions", &["get", "list", "update"]).await;
     let outsider = p.with_token(&outsider);
     let (s1, b1) = outsider.get(&ids[0]).await;
     let (s2, b2) = outsider.get(&uuid::Uuid::new_v4().to_string()).await;
@@ -199,7 +199,7 @@ async fn jobs_are_read_and_listed_in_pages_and_only_by_their_tenant() {
     assert_eq!(own.get(&ids[0]).await.0, 404);
     assert_eq!(own.list("").await.1["jobs"].as_array().map(Vec::len), Some(0));
     // Read-only: may read, may not cancel.
-    let reader = p.with_token(&support::sa_token(w.cp, &w.ns, "reader", "runsessions", &["get", "list"]));
+    let reader = p.with_token(&support::sa_token(w.cp, &w.ns, "reader", "runsessions", &["get", "list"]).await);
     assert_eq!(reader.get(&ids[0]).await.0, 200);
     assert_eq!(reader.cancel(&ids[0], None).await.0, 403);
 }
@@ -210,7 +210,7 @@ async fn jobs_are_read_and_listed_in_pages_and_only_by_their_tenant() {
 #[tokio::test]
 async fn cancels_reach_the_run_and_the_grace_ends_them_anyway() {
     let w = World::start("jobs-cancel", &[("PRISM_JOB_CANCEL_GRACE_SECONDS", "3")]).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let run = started_run(&w, "run-a", "srv-a").await;
 
     let queued = id_of(&p.queued("srv-a", "config", json!({})).await);
@@ -260,7 +260,7 @@ async fn cancels_reach_the_run_and_the_grace_ends_them_anyway() {
 #[tokio::test]
 async fn a_cancel_taken_elsewhere_reaches_the_heartbeat_here_even_across_a_lost_listener() {
     let w = World::start("jobs-cancel-signal", &[]).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let run = started_run(&w, "run-a", "srv-a").await;
     let request_cancel = |id: String| {
         let pool = w.db.pool.clone();
@@ -309,7 +309,7 @@ async fn a_cancel_taken_elsewhere_reaches_the_heartbeat_here_even_across_a_lost_
 #[tokio::test]
 async fn cancel_and_complete_at_the_same_instant_end_the_job_once() {
     let w = World::start("jobs-race", &[("PRISM_JOB_CANCEL_GRACE_SECONDS", "1")]).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let run = started_run(&w, "run-a", "srv-a").await;
     let mut outcomes = std::collections::BTreeMap::<String, u32>::new();
     for _ in 0..20 {
@@ -359,7 +359,7 @@ async fn cancel_and_complete_at_the_same_instant_end_the_job_once() {
 #[tokio::test]
 async fn attempts_are_bounded_and_end_by_timeout_deadline_or_failure() {
     let w = World::start("jobs-attempts", &[("PRISM_JOB_VISIBILITY_SECONDS", "1")]).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let run = started_run(&w, "run-a", "srv-a").await;
 
     // Killed mid-job, twice.
@@ -459,7 +459,7 @@ async fn attempts_are_bounded_and_end_by_timeout_deadline_or_failure() {
 #[tokio::test]
 async fn an_idempotent_enqueue_from_20_callers_makes_one_job() {
     let w = World::start("jobs-idem", &[]).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let _run = w.run("run-a", "srv-a", None).await;
     let body = json!({"idempotency_key": "deploy-42", "payload": {"version": "1.2.3", "steps": [1, 2]}});
     let answers = futures::future::join_all((0..20).map(|_| p.enqueue("srv-a", "lifecycle", body.clone()))).await;
@@ -491,7 +491,7 @@ async fn an_idempotent_enqueue_from_20_callers_makes_one_job() {
 #[tokio::test]
 async fn claims_respect_kinds_and_slots_under_concurrent_claims() {
     let w = World::start("jobs-eligible", &[]).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let mut run = w.run("run-a", "srv-a", None).await;
     run.capabilities = vec!["config".into(), "file".into()];
     run.capacity = [("slots".to_string(), 3)].into();
@@ -527,9 +527,9 @@ async fn claims_respect_kinds_and_slots_under_concurrent_claims() {
 #[tokio::test]
 async fn a_preempted_masters_fenced_work_never_reaches_a_machine() {
     let w = World::start("jobs-fence", &[]).await;
-    let p = Platform::new(&w);
-    support::grant(w.cp, &w.ns, "platform", "controllerregistrations", &["get"]);
-    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "get", "list", "delete", "update"]);
+    let p = Platform::new(&w).await;
+    support::grant(w.cp, &w.ns, "platform", "controllerregistrations", &["get"]).await;
+    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "get", "list", "delete", "update"]).await;
     let master = support::register(&w.op, &agent, &w.ns, "P", "codex-1", "codex").await;
     let term = master["term"].as_i64().expect("term");
     assert_eq!(master["is_master"], true);
@@ -547,7 +547,7 @@ async fn a_preempted_masters_fenced_work_never_reaches_a_machine() {
     };
     assert_eq!(p.job(&queued[0]).await["fence"]["term"], term);
     // Without `get` on registrations there, a fence is refused before it is read.
-    let no_fence_right = p.with_token(&support::sa_token(w.cp, &w.ns, "dispatcher", "runsessions", &["update"]));
+    let no_fence_right = p.with_token(&support::sa_token(w.cp, &w.ns, "dispatcher", "runsessions", &["update"]).await);
     assert_eq!(no_fence_right.enqueue("srv-a", "config", fence.clone()).await.0, 403);
     // A stale term is refused at once.
     let stale = json!({"fence": {"namespace": w.ns, "project_id": "P", "term": term + 7}});
@@ -591,8 +591,8 @@ async fn a_preempted_masters_fenced_work_never_reaches_a_machine() {
 #[tokio::test]
 async fn a_master_agent_queues_fenced_work_over_mcp_and_a_preempted_one_cannot() {
     let w = World::start("jobs-mcp", &[]).await;
-    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "get", "list", "delete"]);
-    support::grant(w.cp, &w.ns, "agent", "runsessions", &["get", "update"]);
+    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "get", "list", "delete"]).await;
+    support::grant(w.cp, &w.ns, "agent", "runsessions", &["get", "update"]).await;
     let _run = w.run("run-a", "srv-a", None).await;
     let url = w.op.url("/mcp");
     for mode in ["legacy", "modern"] {
@@ -656,7 +656,7 @@ async fn a_master_agent_queues_fenced_work_over_mcp_and_a_preempted_one_cannot()
         assert!(out["answers"][1]["text"].as_str().unwrap_or_default().starts_with("You were preempted"));
     }
     // A caller who may not read the job's namespace's RunSessions is refused before the read.
-    let outsider = support::agent_token(w.cp, &w.ns, "outsider", &["create", "get", "list"]);
+    let outsider = support::agent_token(w.cp, &w.ns, "outsider", &["create", "get", "list"]).await;
     let plan = json!([["prism_job", {"job_id": uuid::Uuid::new_v4().to_string(), "run_namespace": w.ns}]]);
     let out = support::mcp_scenario(
         "calls",
@@ -679,7 +679,7 @@ async fn long_poll_claims_are_answered_when_work_arrives_on_any_replica() {
     let w = World::start("jobs-long-poll", &[]).await;
     let env = [("REDIS_URL", w.redis.url.as_str()), ("PRISM_REDIS_PREFIX", w.prefix.as_str())];
     let other = support::Operator::start(w.cp, &w.db.url, &w.ns, &env).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let elsewhere = Platform { base: other.base.clone(), ns: w.ns.clone(), token: p.token.clone() };
     let run = std::sync::Arc::new(started_run(&w, "run-a", "srv-a").await);
     let waiting = |wait: u64| {
@@ -764,7 +764,7 @@ async fn long_poll_claims_are_answered_when_work_arrives_on_any_replica() {
 async fn a_waiting_claim_survives_a_lost_listener_and_ends_when_its_replica_stops() {
     use std::time::Instant;
     let mut w = World::start("jobs-long-poll-faults", &[]).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let run = std::sync::Arc::new(started_run(&w, "run-a", "srv-a").await);
     let waiting = |wait: u64| {
         let run = run.clone();
@@ -813,7 +813,7 @@ async fn a_replica_killed_while_claims_and_a_watch_wait_on_it_loses_nothing() {
     let mut w = World::start("jobs-kill-waiting", &[]).await;
     let env = [("REDIS_URL", w.redis.url.as_str()), ("PRISM_REDIS_PREFIX", w.prefix.as_str())];
     let other = support::Operator::start(w.cp, &w.db.url, &w.ns, &env).await;
-    let p = Platform::new(&w);
+    let p = Platform::new(&w).await;
     let survivor = Platform { base: other.base.clone(), ns: w.ns.clone(), token: p.token.clone() };
     let received = Arc::new(Mutex::new(Vec::<String>::new()));
     let stop = Arc::new(AtomicBool::new(false));
@@ -855,7 +855,7 @@ async fn a_replica_killed_while_claims_and_a_watch_wait_on_it_loses_nothing() {
         }));
     }
     // An agent watches a project on the replica about to die.
-    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "delete", "get", "list"]);
+    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "delete", "get", "list"]).await;
     support::register(&w.op, &agent, &w.ns, "p-kill", "s-1", "claude_code").await;
     let watch_url = |base: &str| format!("{base}/api/v1/controller/p-kill/watch?namespace={}", w.ns);
     let mut stream = http().get(watch_url(&w.op.base)).bearer_auth(&agent).send().await.expect("watch");
@@ -871,7 +871,7 @@ async fn a_replica_killed_while_claims_and_a_watch_wait_on_it_loses_nothing() {
     for i in 0..4 {
         ids.push(id_of(&survivor.queued(&format!("srv-{i}"), "config", timeout.clone()).await));
     }
-    w.op.kill();
+    w.op.kill().await;
     for i in 0..4 {
         ids.push(id_of(&survivor.queued(&format!("srv-{i}"), "config", timeout.clone()).await));
     }

@@ -1,6 +1,7 @@
 //! The layers hold (issue 22). The domain crate (`prism-core`) links none of the outer
 //! layers' crates; the Kubernetes crate (`prism-kube`) none of the stores' or the API's;
-//! the stores' crate (`prism-store`) neither the Kubernetes client nor the API's.
+//! the stores' crate (`prism-store`) neither the Kubernetes client nor the API's; the
+//! API's crate (`prism-api`) no database or Redis driver of its own.
 //! Within each crate, no import cycle: a module's non-test code names other modules as
 //! `crate::…` or `super::…`, and following those names never leads back to where it
 //! started. A cycle would let any layer reach any other; this holds the line within a
@@ -116,9 +117,13 @@ fn cycles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
 #[test]
 fn the_modules_form_no_import_cycle() {
     let operator = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")));
-    assert!(operator.contains_key("config") && operator.contains_key("api::mcp"), "the walk found the modules");
+    assert!(operator.contains_key("config") && operator.contains_key("commands::run"), "the walk found the modules");
     let found = cycles(&edges(&operator));
     assert!(found.is_empty(), "import cycles among the operator crate's modules: {found:?}");
+    let api = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/crates/prism-api/src")));
+    assert!(api.contains_key("mcp::tools") && api.contains_key("transport::tls"), "the walk found the modules");
+    let found = cycles(&edges(&api));
+    assert!(found.is_empty(), "import cycles among prism-api's modules: {found:?}");
     let kube = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/crates/prism-kube/src")));
     assert!(kube.contains_key("reconcilers::registration"), "the walk found the modules");
     let found = cycles(&edges(&kube));
@@ -144,10 +149,12 @@ const OUTER: &[&str] =
     &["kube", "kube_client", "kube_runtime", "k8s_openapi", "sqlx", "axum", "rmcp", "redis", "hyper"];
 
 /// The libraries `package` links in normal builds with its default features (what
-/// `cargo tree` resolves, from Cargo.lock, offline).
-fn linked(package: &str) -> BTreeSet<String> {
+/// `cargo tree` resolves, from Cargo.lock, offline); `depth` 1: those it names itself.
+fn tree(package: &str, depth: Option<u32>) -> BTreeSet<String> {
+    let depth = depth.map(|d| d.to_string());
     let out = std::process::Command::new(env!("CARGO"))
         .args(["tree", "-p", package, "-e", "normal", "--prefix", "none", "-f", "{lib}", "--offline", "--locked"])
+        .args(depth.iter().flat_map(|d| ["--depth", d.as_str()]))
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("run cargo tree");
@@ -157,6 +164,10 @@ fn linked(package: &str) -> BTreeSet<String> {
         .map(|l| l.trim_end_matches(" (*)").trim().to_string())
         .filter(|l| !l.is_empty())
         .collect()
+}
+
+fn linked(package: &str) -> BTreeSet<String> {
+    tree(package, None)
 }
 
 #[test]
@@ -190,10 +201,10 @@ fn the_kubernetes_crate_links_no_store_and_no_api() {
 /// SQL and the Redis commands are the stores' (election, run_registry, mcp_store).
 const DRIVERS: &[&str] = &["sqlx", "PgPool", "PgConnection", "redis::"];
 
-/// The API modules (`api` and below) whose shipped code names a driver, with what it names.
+/// The API's modules whose shipped code names a driver, with what it names.
 fn api_reaching_drivers(modules: &BTreeMap<String, String>) -> Vec<(String, &'static str)> {
     let mut found = Vec::new();
-    for (path, code) in modules.iter().filter(|(p, _)| *p == "api" || p.starts_with("api::")) {
+    for (path, code) in modules {
         for driver in DRIVERS {
             if code.contains(driver) {
                 found.push((path.clone(), *driver));
@@ -205,15 +216,22 @@ fn api_reaching_drivers(modules: &BTreeMap<String, String>) -> Vec<(String, &'st
 
 #[test]
 fn the_api_runs_no_sql_and_no_redis_command_of_its_own() {
-    let operator = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")));
-    assert!(operator.keys().filter(|p| p.starts_with("api::")).count() > 10, "the walk found the API's modules");
-    let found = api_reaching_drivers(&operator);
+    // Its crate cannot: it does not depend on the drivers (they reach it only through
+    // prism-store, whose services run the SQL and the Redis commands)...
+    let direct = tree("prism-api", Some(1));
+    assert!(direct.contains("axum") && direct.contains("prism_store"), "the tree was read: {direct:?}");
+    let drivers: Vec<&str> = ["sqlx", "redis"].into_iter().filter(|c| direct.contains(*c)).collect();
+    assert!(drivers.is_empty(), "prism-api depends on {drivers:?} itself; the stores own the drivers");
+    // ...and no module names them through prism-store's re-exports either.
+    let api = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/crates/prism-api/src")));
+    assert!(api.len() > 15, "the walk found the API's modules");
+    let found = api_reaching_drivers(&api);
     assert!(found.is_empty(), "the API reaches past the stores: {found:?}");
     // The check sees one where it is.
     let mut planted = BTreeMap::new();
-    planted.insert("api::health".to_string(), "sqlx::query(\"SELECT 1\")".to_string());
-    planted.insert("election::store".to_string(), "sqlx::query(\"SELECT 1\")".to_string());
-    assert_eq!(api_reaching_drivers(&planted), vec![("api::health".to_string(), "sqlx")]);
+    planted.insert("health".to_string(), "sqlx::query(\"SELECT 1\")".to_string());
+    planted.insert("runs".to_string(), "let n = state.registry.census().await;".to_string());
+    assert_eq!(api_reaching_drivers(&planted), vec![("health".to_string(), "sqlx")]);
 }
 
 /// What the stores must not link: the Kubernetes client and the API's crates. The
@@ -231,9 +249,10 @@ fn the_store_crate_links_no_kubernetes_and_no_api() {
 #[test]
 fn no_store_hands_out_its_connections() {
     let operator = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")));
+    let api = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/crates/prism-api/src")));
     let store = modules(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/crates/prism-store/src")));
-    assert!(store.contains_key("election::store") && operator.contains_key("api::mcp"), "the walk found both crates");
-    let open: Vec<String> = [("prism-operator", &operator), ("prism-store", &store)]
+    assert!(store.contains_key("election::store") && api.contains_key("mcp"), "the walk found the crates");
+    let open: Vec<String> = [("prism-operator", &operator), ("prism-api", &api), ("prism-store", &store)]
         .iter()
         .flat_map(|(krate, modules)| {
             modules

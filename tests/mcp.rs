@@ -5,7 +5,7 @@
 //! processes, a real kube-apiserver and Postgres; this file asserts on what the SDK saw
 //! and on the database and the resources.
 
-mod support;
+use prism_testkit as support;
 
 use std::time::Duration;
 
@@ -64,7 +64,7 @@ async fn two_replicas(db: &TestDb, ns: &str, pod: &str) -> (Operator, Operator) 
 }
 
 async fn two_replicas_with(db: &TestDb, ns: &str, pod: &str, env: &[(&str, &str)]) -> (Operator, Operator) {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let start = |name: String| async move {
         let mut all = vec![("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", name.as_str())];
         all.extend_from_slice(env);
@@ -78,7 +78,7 @@ fn mcp_url(op: &Operator) -> String {
 }
 
 async fn smoke_in(mode: &str) {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, &format!("mcp-{mode}")).await;
     let db = TestDb::new().await;
@@ -89,7 +89,7 @@ async fn smoke_in(mode: &str) {
         &[("PRISM_SWEEP_INTERVAL_SECONDS", "1"), ("PRISM_CONTROLLER_PEER_STALE_MINUTES", "5")],
     )
     .await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     let project = "PID-MCP";
     let out = scenario("smoke", mode, &mcp_url(&op), &token, &[("namespace", &ns), ("project", project)]).await;
 
@@ -200,13 +200,13 @@ async fn smoke_in(mode: &str) {
     assert!(beat - registered >= chrono::TimeDelta::milliseconds(1000), "heartbeat moved: {registered} -> {beat}");
     // Sessions started over MCP are resources like any other.
     eventually(10, "kubectl shows both masters", || async {
-        let listed = cp.kubectl_ok(&["get", "creg", "-n", &ns, "--no-headers"]);
+        let listed = cp.kubectl_ok(&["get", "creg", "-n", &ns, "--no-headers"]).await;
         (listed.lines().filter(|l| l.contains("Master")).count() == 2).then_some(())
     })
     .await;
 
     // Another identity using a session_id of the first: refused, nothing changes.
-    let intruder = support::agent_token(cp, &ns, "intruder", &["create", "delete", "get", "list"]);
+    let intruder = support::agent_token(cp, &ns, "intruder", &["create", "delete", "get", "list"]).await;
     let before = (registrations(&db, &ns).await, session_row(&db, &ns, s_codex).await);
     let refused = scenario(
         "intruder",
@@ -274,13 +274,13 @@ async fn seed_smoke_scenarios_over_mcp_stateless_2026_generation() {
 
 #[tokio::test]
 async fn bad_input_and_missing_rights_are_refused_with_codes_and_change_nothing() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-bad").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
-    let reader = support::agent_token(cp, &ns, "reader", &["get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
+    let reader = support::agent_token(cp, &ns, "reader", &["get", "list"]).await;
     let http = support::http();
     let post = |token: Option<&str>, body: String| {
         let mut req = http
@@ -362,19 +362,19 @@ async fn bad_input_and_missing_rights_are_refused_with_codes_and_change_nothing(
         assert_eq!(tool_error_code(&refused["start"]), "forbidden", "{mode}");
         assert_eq!(tool_error_code(&refused["wrap"]), "forbidden", "{mode}");
     }
-    let listed = cp.kubectl_ok(&["get", "creg", "-n", &ns, "-o", "wide"]);
+    let listed = cp.kubectl_ok(&["get", "creg", "-n", &ns, "-o", "wide"]).await;
     assert!(listed.trim().is_empty(), "no resource was created: {listed}");
     assert_eq!(registrations(&db, &ns).await, 0, "no row was written");
 }
 
 #[tokio::test]
 async fn two_replicas_answer_one_client_alternately() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-ha").await;
     let db = TestDb::new().await;
     let (a, b) = two_replicas(&db, &ns, "mcp-replica").await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     let urls = format!("{},{}", mcp_url(&a), mcp_url(&b));
     for (i, mode) in MODES.into_iter().enumerate() {
         // No namespace argument: the ServiceAccount's own namespace (SPEC §9).
@@ -407,7 +407,7 @@ async fn two_replicas_answer_one_client_alternately() {
 /// writes nothing; the `X-Prism-Namespace` header places it.
 #[tokio::test]
 async fn a_persons_token_needs_a_namespace() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-person").await;
     let db = TestDb::new().await;
@@ -415,7 +415,7 @@ async fn a_persons_token_needs_a_namespace() {
     // server's audience only: accepting it is the explicit opt-in of SPEC §12.
     let audiences = format!("{},{}", support::AGENT_AUDIENCE, support::API_SERVER_AUDIENCE);
     let op = Operator::start(cp, &db.url, &ns, &[("PRISM_TOKEN_AUDIENCES", audiences.as_str())]).await;
-    let token = support::person_token(cp, &ns, &["create", "delete", "get", "list"]);
+    let token = support::person_token(cp, &ns, &["create", "delete", "get", "list"]).await;
     for (i, mode) in MODES.into_iter().enumerate() {
         let project = format!("PID-PERSON-{i}");
         let out =
@@ -468,7 +468,7 @@ async fn the_charts_allow_list_admits_its_service_names() {
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("schema"));
 
     // The rendered list at a real operator: the Service's name passes, others do not.
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-hosts").await;
     let db = TestDb::new().await;
@@ -497,17 +497,17 @@ async fn the_charts_allow_list_admits_its_service_names() {
 /// before its handler reads where the project stands).
 #[tokio::test]
 async fn the_routing_table_is_a_resource_and_its_changes_are_notified() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-res").await;
     let db = TestDb::new().await;
     // Each stream reads where its projects stand 0.8 s late, as a replica under load may
-    // (a fail point, src/failpoints.rs): a preemption in between must still be notified.
+    // (a fail point, crates/prism-api/src/failpoints.rs): a preemption in between must still be notified.
     let slow = "mcp-listen-start=return(800);mcp-session-stream-read=return(800)";
     let (a, b) = two_replicas_with(&db, &ns, "mcp-res", &[("FAILPOINTS", slow)]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     // May watch registrations, not list them: no read of a routing table.
-    let outsider = support::agent_token(cp, &ns, "outsider", &["watch"]);
+    let outsider = support::agent_token(cp, &ns, "outsider", &["watch"]).await;
     let urls = format!("{},{}", mcp_url(&a), mcp_url(&b));
     for (i, mode) in MODES.into_iter().enumerate() {
         let project = format!("web app/{i}");
@@ -603,12 +603,12 @@ async fn the_official_conformance_runner_passes_what_applies() {
         ),
         ("prompts-*", "no prompts capability"),
     ];
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "mcp-conformance").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     let out = std::process::Command::new(support::repo_root().join("scripts/mcp-conformance"))
         .output()
         .expect("run scripts/mcp-conformance");

@@ -6,7 +6,7 @@
 //! the router's own route table with the document; scripts/fuzz-api runs the full
 //! validator and schemathesis.)
 
-mod support;
+use prism_testkit as support;
 
 use serde_json::Value;
 use support::{Operator, TestDb, control_plane};
@@ -28,7 +28,7 @@ fn concrete(path: &str) -> String {
 
 #[tokio::test]
 async fn the_served_document_is_true_of_the_router() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "openapi").await;
     let db = TestDb::new().await;

@@ -4,7 +4,7 @@
 //! registration created with kubectl has no owner. Authorization comes before any
 //! existence check. (The MCP side is in tests/mcp.rs.)
 
-mod support;
+use prism_testkit as support;
 
 use std::time::Duration;
 
@@ -16,15 +16,15 @@ use support::{Operator, TestDb, control_plane, eventually};
 
 #[tokio::test]
 async fn sessions_belong_to_the_identity_that_registered_them() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "owner").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
     let all = ["create", "delete", "get", "list"];
-    let alice = support::agent_token(cp, &ns, "alice", &all);
-    let bob = support::agent_token(cp, &ns, "bob", &all);
-    let carol = support::agent_token(cp, &ns, "carol", &["get", "list"]);
+    let alice = support::agent_token(cp, &ns, "alice", &all).await;
+    let bob = support::agent_token(cp, &ns, "bob", &all).await;
+    let carol = support::agent_token(cp, &ns, "carol", &["get", "list"]).await;
     let http = support::http();
     let post = |token: &str, path: &str, body: Value| http.post(op.url(path)).bearer_auth(token).json(&body).send();
     let register = |token: &str, project: &str, session: &str| {

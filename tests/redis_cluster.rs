@@ -8,7 +8,7 @@
 //! and /readyz is 200 and ready again. Each test leaves the cluster healthy (3 masters,
 //! every slot covered, `redis-cli --cluster check` clean) for whatever runs next.
 
-mod support;
+use prism_testkit as support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
@@ -49,9 +49,9 @@ struct Node {
 }
 
 /// `CLUSTER NODES` as one node that answers sees it.
-fn nodes() -> Vec<Node> {
+async fn nodes() -> Vec<Node> {
     for port in seed_ports() {
-        let out = redis_cli(port, &["CLUSTER", "NODES"]);
+        let out = redis_cli(port, &["CLUSTER", "NODES"]).await;
         let nodes: Vec<Node> = out.lines().filter_map(parse_node).collect();
         if !nodes.is_empty() {
             return nodes;
@@ -85,15 +85,15 @@ fn parse_node(line: &str) -> Option<Node> {
     })
 }
 
-fn role(port: u16) -> Option<String> {
-    info_field(&redis_cli(port, &["INFO", "replication"]), "role")
+async fn role(port: u16) -> Option<String> {
+    info_field(&redis_cli(port, &["INFO", "replication"]).await, "role")
 }
 
 /// Why the cluster is not as scripts/services made it, if it is not: every node up and
 /// agreeing, 3 masters with a live replica each, every slot covered, `--cluster check` clean.
-fn cluster_trouble() -> Option<String> {
+async fn cluster_trouble() -> Option<String> {
     for port in seed_ports() {
-        let info = redis_cli(port, &["CLUSTER", "INFO"]);
+        let info = redis_cli(port, &["CLUSTER", "INFO"]).await;
         for (field, want) in [
             ("cluster_state", "ok"),
             ("cluster_slots_ok", "16384"),
@@ -105,7 +105,7 @@ fn cluster_trouble() -> Option<String> {
                 return Some(format!("node {port}: {field} is {got:?}, not {want}"));
             }
         }
-        let view: Vec<Node> = redis_cli(port, &["CLUSTER", "NODES"]).lines().filter_map(parse_node).collect();
+        let view: Vec<Node> = redis_cli(port, &["CLUSTER", "NODES"]).await.lines().filter_map(parse_node).collect();
         if let Some(n) = view.iter().find(|n| n.failed) {
             return Some(format!("node {port} sees {} as failed", n.port));
         }
@@ -118,16 +118,17 @@ fn cluster_trouble() -> Option<String> {
         if masters.len() != 3 {
             return Some(format!("node {port} sees {} masters", masters.len()));
         }
-        if role(port).as_deref() == Some("slave") {
-            let link = info_field(&redis_cli(port, &["INFO", "replication"]), "master_link_status");
+        if role(port).await.as_deref() == Some("slave") {
+            let link = info_field(&redis_cli(port, &["INFO", "replication"]).await, "master_link_status");
             if link.as_deref() != Some("up") {
                 return Some(format!("replica {port}: master_link_status {link:?}"));
             }
         }
     }
-    let out = Command::new("redis-cli")
+    let out = tokio::process::Command::new("redis-cli")
         .args(["--cluster", "check", &format!("127.0.0.1:{}", seed_ports()[0])])
         .output()
+        .await
         .expect("redis-cli --cluster check");
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() || text.contains("[ERR]") || !text.contains("[OK] All 16384 slots covered") {
@@ -139,7 +140,7 @@ fn cluster_trouble() -> Option<String> {
 async fn wait_cluster_healthy(secs: u64, when: &str) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
-        let Some(trouble) = cluster_trouble() else { return };
+        let Some(trouble) = cluster_trouble().await else { return };
         assert!(Instant::now() < deadline, "the Redis Cluster is not healthy {when} after {secs}s: {trouble}");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -148,7 +149,7 @@ async fn wait_cluster_healthy(secs: u64, when: &str) {
 async fn wait_role(port: u16, want: &str, secs: u64) -> Duration {
     let start = Instant::now();
     eventually(secs, &format!("node {port} to be a {want}"), || async {
-        (role(port).as_deref() == Some(want)).then_some(())
+        (role(port).await.as_deref() == Some(want)).then_some(())
     })
     .await;
     start.elapsed()
@@ -163,8 +164,9 @@ struct Restart {
 }
 
 impl Restart {
-    fn now(&mut self) {
-        let out = Command::new("redis-server").arg(&self.config_file).output().expect("redis-server");
+    async fn now(&mut self) {
+        let out =
+            tokio::process::Command::new("redis-server").arg(&self.config_file).output().await.expect("redis-server");
         assert!(out.status.success(), "restart {}: {}", self.port, String::from_utf8_lossy(&out.stdout));
         self.done = true;
     }
@@ -172,6 +174,7 @@ impl Restart {
 
 impl Drop for Restart {
     fn drop(&mut self) {
+        // Drop cannot wait asynchronously; starting a daemonized redis-server is brief.
         if !self.done {
             let _ = Command::new("redis-server").arg(&self.config_file).output();
         }
@@ -319,7 +322,7 @@ async fn under_fault(hint: &str, fault: Fault) {
     let _one_at_a_time = CLUSTER.lock().await;
     wait_cluster_healthy(60, "before the test").await;
 
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, hint).await;
     let db = TestDb::new().await;
@@ -375,9 +378,12 @@ async fn under_fault(hint: &str, fault: Fault) {
 
     // Where Run 0's keys live, and who serves that slot.
     let session_key = format!("{prefix}:run:{{{}/run}}:session", runs[0].0);
-    let slot: u16 =
-        redis_cli(seed_ports()[0], &["CLUSTER", "KEYSLOT", &session_key]).trim().parse().expect("CLUSTER KEYSLOT");
-    let topology = nodes();
+    let slot: u16 = redis_cli(seed_ports()[0], &["CLUSTER", "KEYSLOT", &session_key])
+        .await
+        .trim()
+        .parse()
+        .expect("CLUSTER KEYSLOT");
+    let topology = nodes().await;
     let master = topology
         .iter()
         .find(|n| n.master && n.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot)))
@@ -391,7 +397,7 @@ async fn under_fault(hint: &str, fault: Fault) {
     let mut on_master = vec![];
     for (server, _) in &runs {
         let key = format!("{prefix}:run:{{{server}/run}}:session");
-        let s: u16 = redis_cli(replica.port, &["CLUSTER", "KEYSLOT", &key]).trim().parse().expect("KEYSLOT");
+        let s: u16 = redis_cli(replica.port, &["CLUSTER", "KEYSLOT", &key]).await.trim().parse().expect("KEYSLOT");
         if master.slots.iter().any(|(a, b)| (*a..=*b).contains(&s)) {
             on_master.push(server.clone());
         }
@@ -456,14 +462,14 @@ async fn under_fault(hint: &str, fault: Fault) {
     let mut restart = None;
     let took = match fault {
         Fault::ManualFailover => {
-            let ok = redis_cli(replica.port, &["CLUSTER", "FAILOVER"]);
+            let ok = redis_cli(replica.port, &["CLUSTER", "FAILOVER"]).await;
             assert_eq!(ok.trim(), "OK", "CLUSTER FAILOVER on {}", replica.port);
             let took = wait_role(replica.port, "master", 30).await;
             wait_role(master.port, "slave", 30).await;
             took
         }
         Fault::KillMaster => {
-            let info = redis_cli(master.port, &["INFO", "server"]);
+            let info = redis_cli(master.port, &["INFO", "server"]).await;
             let pid = info_field(&info, "process_id").expect("process_id");
             let config_file = info_field(&info, "config_file").filter(|f| !f.is_empty()).unwrap_or_else(|| {
                 panic!(
@@ -472,7 +478,7 @@ async fn under_fault(hint: &str, fault: Fault) {
                 )
             });
             restart = Some(Restart { port: master.port, config_file, done: false });
-            let killed = Command::new("kill").args(["-9", &pid]).status().expect("kill");
+            let killed = tokio::process::Command::new("kill").args(["-9", &pid]).status().await.expect("kill");
             assert!(killed.success(), "kill -9 {pid}");
             wait_role(replica.port, "master", 40).await
         }
@@ -497,7 +503,7 @@ async fn under_fault(hint: &str, fault: Fault) {
 
     // The killed node comes back (as a replica of the one that took over).
     if let Some(r) = restart.as_mut() {
-        r.now();
+        r.now().await;
         wait_role(r.port, "slave", 30).await;
     }
     wait_cluster_healthy(60, "after the fault").await;
@@ -603,11 +609,11 @@ async fn a_killed_master_costs_runs_at_most_their_lease() {
 /// stays up for the other tests.
 #[tokio::test]
 async fn a_whole_cluster_restart_is_recovered_without_an_operator_restart() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "rcrestart").await;
     let db = TestDb::new().await;
-    let mut redis = support::PrivateRedis::cluster(1);
+    let mut redis = support::PrivateRedis::cluster(1).await;
     let prefix = support::redis_prefix();
     let env =
         [("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_MODE", "cluster"), ("PRISM_REDIS_PREFIX", prefix.as_str())];
@@ -655,11 +661,11 @@ async fn a_whole_cluster_restart_is_recovered_without_an_operator_restart() {
     }
     let http = support::http();
     for round in 0..3 {
-        let moved = redis.failover(round).expect("a replica to fail over to");
+        let moved = redis.failover(round).await.expect("a replica to fail over to");
         tokio::time::sleep(Duration::from_secs(1)).await;
-        redis.down();
+        redis.down().await;
         tokio::time::sleep(Duration::from_secs(2)).await;
-        redis.up();
+        redis.up().await;
         let started = Instant::now();
         let url = format!("{base}/readyz");
         eventually(45, &format!("round {round}: /readyz 200 after the restart ({moved})"), || async {

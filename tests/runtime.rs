@@ -2,7 +2,7 @@
 //! private redis-server per test, so it can be stopped and flushed), the operator
 //! process, and a Run speaking the wire format of SPEC §8.
 
-mod support;
+use prism_testkit as support;
 
 use std::time::{Duration, Instant};
 
@@ -23,13 +23,13 @@ async fn world(hint: &str, env: &[(&str, &str)]) -> World {
 
 /// A platform that enqueues jobs for the world's Runs.
 trait Dispatcher {
-    fn enqueue_token(&self) -> String;
+    async fn enqueue_token(&self) -> String;
     async fn enqueue(&self, token: &str, server: &str, kind: &str) -> reqwest::Response;
 }
 
 impl Dispatcher for World {
-    fn enqueue_token(&self) -> String {
-        support::sa_token(self.cp, &self.ns, "dispatcher", "runsessions", &["get", "update"])
+    async fn enqueue_token(&self) -> String {
+        support::sa_token(self.cp, &self.ns, "dispatcher", "runsessions", &["get", "update"]).await
     }
 
     async fn enqueue(&self, token: &str, server: &str, kind: &str) -> reqwest::Response {
@@ -62,7 +62,7 @@ async fn hello_heartbeat_supersede_and_online_status() {
     assert_eq!(st.version.as_deref(), Some(env!("CARGO_PKG_VERSION")));
     assert_eq!(st.capabilities, ["lifecycle", "config", "file", "log", "protected_request"]);
     assert_eq!(st.capacity.get("slots"), Some(&4));
-    let out = w.cp.kubectl_ok(&["get", "rsess", "-n", &w.ns, "--no-headers"]);
+    let out = w.cp.kubectl_ok(&["get", "rsess", "-n", &w.ns, "--no-headers"]).await;
     assert!(out.contains("srv-1") && out.contains("Online"), "{out}");
 
     // The pass this is (scripts/test runs the suite on a standalone Redis and on a cluster).
@@ -212,9 +212,9 @@ async fn jobs_go_to_their_own_target_and_cross_target_steps_are_refused() {
     b.hello().await.expect("hello b");
 
     // Enqueue needs a Kubernetes identity allowed to update that RunSession.
-    let reader = support::sa_token(w.cp, &w.ns, "reader", "runsessions", &["get"]);
+    let reader = support::sa_token(w.cp, &w.ns, "reader", "runsessions", &["get"]).await;
     assert_eq!(w.enqueue(&reader, "srv-a", "config").await.status(), 403);
-    let token = w.enqueue_token();
+    let token = w.enqueue_token().await;
     let r = w.enqueue(&token, "srv-a", "reboot").await;
     assert_eq!(r.status(), 422, "unknown job kind");
     // An address nobody holds: without a namespace the same 403 as a refusal (nothing
@@ -305,7 +305,7 @@ async fn redis_down_flushed_and_operator_restarted() {
     let mut run = w.run("srv-r-run", "srv-r", None).await;
     run.hello().await.expect("hello");
     phase(&w.api, "srv-r-run", RunPhase::Online, 5).await;
-    let token = w.enqueue_token();
+    let token = w.enqueue_token().await;
     assert_eq!(w.enqueue(&token, "srv-r", "config").await.status(), 201);
 
     // Operator restarted while the session is live: the token keeps working, nothing is
@@ -336,7 +336,7 @@ async fn redis_down_flushed_and_operator_restarted() {
         row
     };
     let identity_before = identity_row().await;
-    w.redis.down();
+    w.redis.down().await;
     let http = support::http();
     // Readiness is probed every 2 s: within a few seconds it says so.
     eventually(5, "/readyz reports the registry unavailable", || async {
@@ -361,8 +361,8 @@ async fn redis_down_flushed_and_operator_restarted() {
 
     // Redis back, but empty (it lost its data): Runs are offline until they say hello;
     // the RunSession and the job are unchanged.
-    w.redis.up();
-    w.redis.flushall();
+    w.redis.up().await;
+    w.redis.flushall().await;
     assert_eq!(code(&run.heartbeat().await.expect_err("session gone")), "session_expired");
     phase(&w.api, "srv-r-run", RunPhase::Offline, 15).await;
     assert!(w.api.get_opt("srv-r-run").await.expect("get").is_some());
@@ -451,7 +451,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     assert_eq!(d.status.map(|s| s.phase), Some(RunPhase::Pending));
 
     // The owner sees a safe projection over HTTP; nobody else does.
-    let token = w.enqueue_token();
+    let token = w.enqueue_token().await;
     let http = support::http();
     let r =
         http.get(w.op.url("/api/v1/runtime/servers/srv-i/status")).bearer_auth(&token).send().await.expect("status");
@@ -460,7 +460,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     let status: Value = serde_json::from_str(&body).expect("json");
     assert_eq!(status["components"][0]["phase"], "Online");
     assert_eq!(status["components"][0]["capacity"]["slots"], 4);
-    let nobody = support::sa_token(w.cp, &w.ns, "nobody", "configmaps", &["get"]);
+    let nobody = support::sa_token(w.cp, &w.ns, "nobody", "configmaps", &["get"]).await;
     let r =
         http.get(w.op.url("/api/v1/runtime/servers/srv-i/status")).bearer_auth(&nobody).send().await.expect("status");
     assert_eq!(r.status(), 403);
@@ -469,7 +469,7 @@ async fn identity_lifecycle_duplicates_rotation_deletion_and_safe_status() {
     let session_token = run.token.clone().expect("token");
     let token_hash = prism_operator::run_registry::service::token_hash(&session_token);
     let obj = serde_json::to_string(&w.api.get("srv-i-run").await.expect("get")).expect("json");
-    let events = w.cp.kubectl_ok(&["get", "events", "-n", &w.ns, "-o", "json"]);
+    let events = w.cp.kubectl_ok(&["get", "events", "-n", &w.ns, "-o", "json"]).await;
     let secret_part = session_token.rsplit('.').next().expect("secret part").to_string();
     for (what, text) in [("response", &body), ("resource", &obj), ("events", &events), ("logs", &w.op.logs())] {
         for secret in [secret_part.as_str(), token_hash.as_str(), w.prefix.as_str(), "run:{srv-i/run}"] {
@@ -641,7 +641,7 @@ async fn a_paused_runsession_hands_out_no_new_job_and_resumes_when_unpaused() {
     let mut run = w.run("srv-p-run", "srv-p", None).await;
     run.hello().await.expect("hello");
     phase(&w.api, "srv-p-run", RunPhase::Online, 5).await;
-    let token = w.enqueue_token();
+    let token = w.enqueue_token().await;
     assert_eq!(w.enqueue(&token, "srv-p", "config").await.status(), 201);
     assert_eq!(w.enqueue(&token, "srv-p", "lifecycle").await.status(), 201);
     let held = run.claim(2).await.expect("claim before the cordon");
@@ -663,7 +663,7 @@ async fn a_paused_runsession_hands_out_no_new_job_and_resumes_when_unpaused() {
     assert_eq!((status.as_str(), reason.as_str()), ("True", "Paused"));
     assert!(message.contains("cordoned"), "{message}");
     assert!(drained.status.as_ref().is_some_and(|s| s.online), "a drained Run is still online");
-    let out = w.cp.kubectl_ok(&["get", "rsess", "srv-p-run", "-n", &w.ns, "--no-headers"]);
+    let out = w.cp.kubectl_ok(&["get", "rsess", "srv-p-run", "-n", &w.ns, "--no-headers"]).await;
     assert!(out.contains("Draining"), "the PHASE column: {out}");
     let view = support::get_json(&w.op.url("/api/v1/runtime/servers/srv-p/status"), &token).await;
     assert_eq!(view["components"][0]["phase"], "Draining", "{view}");
@@ -711,7 +711,7 @@ async fn a_run_that_says_it_is_draining_gets_no_new_job_until_it_says_otherwise(
     let mut run = w.run("srv-d-run", "srv-d", None).await;
     run.hello().await.expect("hello");
     phase(&w.api, "srv-d-run", RunPhase::Online, 5).await;
-    let token = w.enqueue_token();
+    let token = w.enqueue_token().await;
     assert_eq!(w.enqueue(&token, "srv-d", "config").await.status(), 201);
     let held = run.claim(1).await.expect("claim before draining");
     assert_eq!(held.len(), 1);
@@ -776,7 +776,7 @@ async fn a_draining_that_is_not_a_boolean_is_refused_and_changes_nothing() {
     let mut run = w.run("srv-x-run", "srv-x", None).await;
     run.hello().await.expect("hello");
     phase(&w.api, "srv-x-run", RunPhase::Online, 5).await;
-    let token = w.enqueue_token();
+    let token = w.enqueue_token().await;
     let beat = |body: Value| {
         let token = run.token.clone().expect("token");
         let url = w.op.url("/api/v1/runtime/heartbeat");

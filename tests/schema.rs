@@ -1,7 +1,7 @@
 //! The election's invariants as the database enforces them (real Postgres): these hold
 //! even if the operator's code is wrong or two replicas race.
 
-mod support;
+use prism_testkit as support;
 
 use sqlx::PgPool;
 use support::TestDb;

@@ -26,7 +26,7 @@
 //! scripts/soak runs it with `--ignored`, and scripts/test (so CI) runs scripts/soak. It
 //! never skips itself: a missing service fails it.
 
-mod support;
+use prism_testkit as support;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -567,7 +567,7 @@ impl Fault {
 struct Stage {
     fleet: Fleet,
     pg: Arc<PrivatePostgres>,
-    redis: Arc<Mutex<PrivateRedis>>,
+    redis: PrivateRedis,
     run_kills: Vec<Arc<AtomicBool>>,
 }
 
@@ -606,43 +606,30 @@ async fn inject(fault: Fault, rng: &mut Lcg, stage: &mut Stage) -> String {
         }
         Fault::PostgresRestart => {
             let down = rng.millis(1000, 4000);
-            let pg = stage.pg.clone();
-            tokio::task::spawn_blocking(move || {
-                pg.ctl("stop");
-                std::thread::sleep(down);
-                pg.ctl("start");
-            })
-            .await
-            .expect("restart Postgres");
+            stage.pg.ctl("stop").await;
+            tokio::time::sleep(down).await;
+            stage.pg.ctl("start").await;
             format!("down {:.1} s", down.as_secs_f64())
         }
         Fault::RedisRestart => {
             let down = rng.millis(500, 3000);
-            let redis = stage.redis.clone();
-            tokio::task::spawn_blocking(move || {
-                let mut r = redis.lock().expect("redis");
-                r.down();
-                std::thread::sleep(down);
-                r.up();
-            })
-            .await
-            .expect("restart Redis");
+            stage.redis.down().await;
+            tokio::time::sleep(down).await;
+            stage.redis.up().await;
             format!("down {:.1} s", down.as_secs_f64())
         }
         Fault::RedisFlush => {
-            let redis = stage.redis.clone();
-            tokio::task::spawn_blocking(move || redis.lock().expect("redis").flushall()).await.expect("flush");
+            stage.redis.flushall().await;
             "every key gone".into()
         }
         Fault::RedisFailover | Fault::RedisMasterKilled => {
-            let (redis, pick) = (stage.redis.clone(), rng.next(3) as usize);
-            tokio::task::spawn_blocking(move || {
-                let mut r = redis.lock().expect("redis");
-                if fault == Fault::RedisFailover { r.failover(pick) } else { r.kill_master(pick) }
-            })
-            .await
-            .expect("failover")
-            .unwrap_or_else(|| "not applicable".into())
+            let pick = rng.next(3) as usize;
+            let done = if fault == Fault::RedisFailover {
+                stage.redis.failover(pick).await
+            } else {
+                stage.redis.kill_master(pick).await
+            };
+            done.unwrap_or_else(|| "not applicable".into())
         }
         Fault::RunKilledMidJob => {
             let i = rng.next(stage.run_kills.len() as u64) as usize;
@@ -670,11 +657,11 @@ async fn the_fault_harness() {
         settings.projects,
         support::redis_mode()
     ));
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "soak").await;
-    let pg = Arc::new(PrivatePostgres::start());
-    let redis = PrivateRedis::start_with_replicas(1);
+    let pg = Arc::new(PrivatePostgres::start().await);
+    let redis = PrivateRedis::start_with_replicas(1).await;
     let redis_url = redis.url.clone();
     let mcp_key = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
     let env = [
@@ -706,10 +693,10 @@ async fn the_fault_harness() {
     let base = balancer(backends).await;
     say(&format!("{} replicas behind {base}; Postgres {}, Redis {}", settings.replicas, pg.url, redis.url));
 
-    let agent_token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
-    let dispatcher = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "list", "update"]);
+    let agent_token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
+    let dispatcher = support::sa_token(cp, &ns, "dispatcher", "runsessions", &["get", "list", "update"]).await;
     // Fenced jobs read the election: the dispatcher may `get` registrations.
-    support::grant(cp, &ns, "dispatcher", "controllerregistrations", &["get"]);
+    support::grant(cp, &ns, "dispatcher", "controllerregistrations", &["get"]).await;
 
     // The Runs' identities, mirrored into Postgres by the leader.
     let runs: Api<RunSession> = Api::namespaced(client.clone(), &ns);
@@ -726,7 +713,7 @@ async fn the_fault_harness() {
     .await;
     let durable = std::env::temp_dir().join(format!("prism-soak-durable-{}", uuid::Uuid::new_v4().simple()));
     let durable = durable.to_str().expect("utf-8").to_string();
-    let (ok, out) = support::faults::check_invariants(&pg.url, &["--save-durable", &durable]);
+    let (ok, out) = support::faults::check_invariants(&pg.url, &["--save-durable", &durable]).await;
     assert!(ok, "save the durable rows: {out}");
 
     // The load.
@@ -743,7 +730,7 @@ async fn the_fault_harness() {
     });
     let http_agents: Vec<_> =
         (0..settings.http_agents).map(|a| tokio::spawn(http_agent(a, seed, agents.clone()))).collect();
-    let mcp = tokio::process::Command::new(support::mcp_python())
+    let mcp = tokio::process::Command::new(support::mcp_python().await)
         .arg(support::repo_root().join("tests/mcp/load.py"))
         .args(["--url", &format!("{base}/mcp"), "--token", &agent_token, "--namespace", &ns])
         .args(["--agents", &settings.mcp_agents.to_string(), "--seconds", &settings.seconds.to_string()])
@@ -867,7 +854,7 @@ async fn the_fault_harness() {
 
     // The faults: every kind once per round, in a seeded order, at seeded gaps; none in
     // the last 15 s of the load, so that the end is the recovery.
-    let mut stage = Stage { fleet, pg: pg.clone(), redis: Arc::new(Mutex::new(redis)), run_kills };
+    let mut stage = Stage { fleet, pg: pg.clone(), redis, run_kills };
     let mut rng = Lcg(seed);
     let mut kinds = vec![
         Fault::KillLeader,
@@ -1106,7 +1093,8 @@ async fn the_fault_harness() {
     let (ok, out) = support::faults::check_invariants(
         &pg.url,
         &["--namespace-prefix", &ns, "--completions", file.to_str().expect("utf-8"), "--durable-before", &durable],
-    );
+    )
+    .await;
     let _ = std::fs::remove_file(&file);
     let _ = std::fs::remove_file(&durable);
     for line in out.lines() {

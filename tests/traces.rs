@@ -5,7 +5,7 @@
 //! OTEL_EXPORTER_OTLP_ENDPOINT nothing is exported, and a bad OTLP setting is a one-line
 //! error at start.
 
-mod support;
+use prism_testkit as support;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -138,7 +138,7 @@ fn the_parser_reads_the_debug_exporters_format() {
 
 #[tokio::test]
 async fn a_request_and_the_store_calls_it_made_reach_a_real_collector_as_one_trace() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let db = TestDb::new().await;
     let client = cp.client().await;
     let ns = namespace(&client, "traces").await;
@@ -147,7 +147,7 @@ async fn a_request_and_the_store_calls_it_made_reach_a_real_collector_as_one_tra
     let endpoint = format!("http://127.0.0.1:{}", collector.port);
     let env = [("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()), ("OTEL_BSP_SCHEDULE_DELAY", "200")];
     let op = Operator::start(cp, &db.url, &ns, &env).await;
-    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]);
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
     register(&op, &token, &ns, "PID-TRACE", "s-trace", "codex").await;
 
     let route = "/api/v1/controller/register";
@@ -176,8 +176,13 @@ async fn a_request_and_the_store_calls_it_made_reach_a_real_collector_as_one_tra
     );
     // A store call nested in another (the agent service calling the election store) is
     // its child, so the path of a slow call can be followed down.
-    let descendants = |id: &str| all.iter().filter(|s| s.parent_id == id).count();
-    assert!(children.iter().any(|c| descendants(&c.id) > 0), "store calls nest: {children:?}");
+    // Both layers' spans are exported by default: the service's (prism-api) and the
+    // store's (prism-store).
+    let nested: Vec<&Span> = all.iter().filter(|s| children.iter().any(|c| c.id == s.parent_id)).collect();
+    assert!(
+        nested.iter().any(|s| s.attributes.get("store").map(String::as_str) == Some("Str(election)")),
+        "the election store's calls nest under the agent service's: {nested:?}"
+    );
 
     // Every request is traced, not most: a span lost on some requests (a filter state
     // left behind by another callsite on the same thread) was seen here before.

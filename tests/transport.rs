@@ -4,7 +4,7 @@
 //! change the way a mounted Secret's do, slow clients cut while others are served,
 //! one-line errors for a bad pair, and SIGTERM still ending the process cleanly.
 
-mod support;
+use prism_testkit as support;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -121,7 +121,7 @@ struct TlsOperator {
 }
 
 async fn start_tls_operator(secret: &SecretDir, hint: &str) -> TlsOperator {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, hint).await;
     let db = TestDb::new().await;

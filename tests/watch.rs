@@ -4,7 +4,7 @@
 //! resume, nudges are delivered once and only to who may take them, and a revoked
 //! caller loses the stream.
 
-mod support;
+use prism_testkit as support;
 
 use std::time::Duration;
 
@@ -73,13 +73,13 @@ async fn register(op: &Operator, token: &str, ns: &str, project: &str, session: 
 
 #[tokio::test]
 async fn a_watch_on_one_replica_sees_every_change_made_through_another_and_resumes() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "watch").await;
     let db = TestDb::new().await;
     let a = Operator::start(cp, &db.url, &ns, &[]).await;
     let b = Operator::start(cp, &db.url, &ns, &[]).await;
-    let alice = support::agent_token(cp, &ns, "alice", &ALL);
+    let alice = support::agent_token(cp, &ns, "alice", &ALL).await;
 
     register(&a, &alice, &ns, "P", "s-code", "claude_code").await;
     let (status, mut events) = watch(&b, &alice, &ns, "P", None, None).await;
@@ -125,15 +125,15 @@ async fn a_watch_on_one_replica_sees_every_change_made_through_another_and_resum
 
 #[tokio::test]
 async fn nudges_reach_their_session_once_and_a_revoked_caller_loses_the_stream() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "watch-nudge").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let alice = support::agent_token(cp, &ns, "alice", &ALL);
-    let bob = support::agent_token(cp, &ns, "bob", &ALL);
-    let reader = support::sa_token(cp, &ns, "reader", "controllerregistrations", &["get", "list"]);
-    let nobody = support::sa_token(cp, &ns, "nobody", "runsessions", &["get"]);
+    let alice = support::agent_token(cp, &ns, "alice", &ALL).await;
+    let bob = support::agent_token(cp, &ns, "bob", &ALL).await;
+    let reader = support::sa_token(cp, &ns, "reader", "controllerregistrations", &["get", "list"]).await;
+    let nobody = support::sa_token(cp, &ns, "nobody", "runsessions", &["get"]).await;
 
     // Refused before any stream, the same for a project that exists and one that does not.
     for project in ["P", "NOPE"] {
@@ -181,7 +181,7 @@ async fn nudges_reach_their_session_once_and_a_revoked_caller_loses_the_stream()
 
     // The reader's rights go: its stream ends with an error event, within the recheck
     // (15 s) and the authorizer's cache (10 s).
-    cp.kubectl_ok(&["-n", &ns, "delete", "rolebinding", "reader"]);
+    cp.kubectl_ok(&["-n", &ns, "delete", "rolebinding", "reader"]).await;
     let ended = tokio::time::timeout(Duration::from_secs(40), async {
         loop {
             match readers.next().await {
@@ -202,13 +202,13 @@ async fn nudges_reach_their_session_once_and_a_revoked_caller_loses_the_stream()
 /// another identity's call naming the session never takes it.
 #[tokio::test]
 async fn a_nudge_rides_in_the_next_heartbeat_once_and_only_its_owners() {
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "nudge-http").await;
     let db = TestDb::new().await;
     let op = Operator::start(cp, &db.url, &ns, &[]).await;
-    let alice = support::agent_token(cp, &ns, "alice", &ALL);
-    let bob = support::agent_token(cp, &ns, "bob", &ALL);
+    let alice = support::agent_token(cp, &ns, "alice", &ALL).await;
+    let bob = support::agent_token(cp, &ns, "bob", &ALL).await;
     let beat = |token: String| {
         let (url, ns) = (op.url("/api/v1/controller/heartbeat"), ns.clone());
         async move {
@@ -242,13 +242,13 @@ async fn a_nudge_rides_in_the_next_heartbeat_once_and_only_its_owners() {
 #[tokio::test]
 async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
     use std::time::Instant;
-    let cp = control_plane();
+    let cp = control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "watch-stop").await;
     let db = TestDb::new().await;
     let mut op =
         Operator::start(cp, &db.url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", "watch-stop-a")]).await;
-    let token = support::agent_token(cp, &ns, "agent", &ALL);
+    let token = support::agent_token(cp, &ns, "agent", &ALL).await;
     support::eventually(30, "leadership", || async { op.logs().contains("became leader").then_some(()) }).await;
     let (status, mut events) = watch(&op, &token, &ns, "p-stop", None, None).await;
     assert_eq!(status, 200);

@@ -67,7 +67,7 @@ from state import Durable, control_char_fields, diff, session_strings  # noqa: E
 
 LEGACY = ["2025-03-26", "2025-06-18", "2025-11-25"]
 MODERN = "2026-07-28"
-MAX_BODY = 64 * 1024  # src/api/mod.rs MAX_BODY_BYTES
+MAX_BODY = 64 * 1024  # crates/prism-api/src/lib.rs MAX_BODY_BYTES
 CLIENT = {"name": "prism-fuzz", "version": "1.0.0"}
 ERROR_SCHEMA = {
     "type": "object",

@@ -16,6 +16,7 @@ use crate::db;
 use crate::election::ElectionStore;
 use crate::election::heartbeat::{COALESCING_WINDOW, HeartbeatCoalescer};
 use crate::mcp_store::McpStore;
+use crate::metrics::Metrics;
 use crate::reconcilers;
 use crate::reconcilers::status::Written;
 use crate::refresh;
@@ -24,7 +25,6 @@ use crate::run_registry::identity::IdentityStore;
 use crate::run_registry::jobs::{JobSettings, JobStore};
 use crate::run_registry::service::RunRegistry;
 use crate::signals::Signals;
-use crate::telemetry::Metrics;
 use crate::transport;
 
 /// `prism-operator run`, step by step.

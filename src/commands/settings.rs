@@ -128,7 +128,7 @@ mod tests {
 
         let dir = std::env::temp_dir().join(format!("prism-config-tls-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
-        let (_, cert, key) = crate::transport::tls::tests::pair("config");
+        let (_, cert, key) = prism_api::transport::tls::test_pair("config");
         std::fs::write(dir.join("tls.crt"), cert).unwrap();
         std::fs::write(dir.join("tls.key"), "not a key").unwrap();
         let a = run_args(&[

@@ -255,7 +255,7 @@ mod tests {
 
     #[tokio::test]
     async fn tls_only_with_a_certificate() {
-        let (ca, cert, key) = tls::tests::pair("unit");
+        let (ca, cert, key) = tls::test_pair("unit");
         let dir = std::env::temp_dir().join(format!("prism-serve-unit-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
         let files = CertFiles { cert: dir.join("tls.crt"), key: dir.join("tls.key") };

@@ -10,9 +10,9 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::election::{ElectionError, ElectionStore};
+use crate::metrics::Metrics;
 use crate::run_registry::RegistryError;
 use crate::run_registry::service::RunRegistry;
-use crate::telemetry::Metrics;
 use serde_json::{Value, json};
 
 pub const READINESS_EVERY: Duration = Duration::from_secs(2);

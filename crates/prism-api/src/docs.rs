@@ -208,12 +208,11 @@ mod tests {
     use proptest::prelude::*;
     use serde_json::Value;
 
-    use crate::api::agents::{check_identifier, check_namespace};
+    use crate::agents::{check_identifier, check_namespace};
     use crate::run_registry::proof::nonce_ok;
     use crate::run_registry::service::{component_kind_ok, name_ok, server_instance_id_ok, target_part_ok, version_ok};
 
-    static DOCUMENT: LazyLock<Value> =
-        LazyLock::new(|| serde_json::to_value(crate::api::openapi()).unwrap_or(Value::Null));
+    static DOCUMENT: LazyLock<Value> = LazyLock::new(|| serde_json::to_value(crate::openapi()).unwrap_or(Value::Null));
 
     type Routes = BTreeMap<String, BTreeSet<String>>;
 
@@ -222,7 +221,7 @@ mod tests {
     /// with their `Allow` header, and route ids with their paths). Should axum change
     /// that output, this finds no route and the test fails; it cannot pass on nothing.
     fn served() -> Routes {
-        let debug = format!("{:?}", crate::api::stateless_routes());
+        let debug = format!("{:?}", crate::stateless_routes());
         let mut allow = BTreeMap::new();
         let mut paths = BTreeMap::new();
         for chunk in debug.split("RouteId(").skip(1) {
@@ -417,7 +416,7 @@ mod tests {
                 param("/api/v1/runtime/servers/{server_instance_id}/status", "get", "server_instance_id"),
                 server,
             ),
-            ("CompleteBody.error", at(&format!("{s}/CompleteBody/properties/error")), crate::api::runs::job_error_ok),
+            ("CompleteBody.error", at(&format!("{s}/CompleteBody/properties/error")), crate::runs::job_error_ok),
             ("CancelBody.reason", at(&format!("{s}/CancelBody/properties/reason")), reason),
             (
                 "RunHeartbeatBody.capabilities[]",

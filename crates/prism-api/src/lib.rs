@@ -1,5 +1,6 @@
-//! HTTP API (axum). Handlers parse, authorize, call a service and map errors; no domain
-//! logic lives here.
+//! prism-operator's HTTP and MCP API (axum, rmcp) and the listener that serves it.
+//! Handlers parse, authorize, call a service and map errors; no domain logic lives here,
+//! and no SQL or Redis: the stores' services (prism-store) do that.
 
 use std::sync::Arc;
 
@@ -13,9 +14,27 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::agent_sessions::AgentService;
+use crate::metrics::Metrics;
 use crate::run_registry::service::RunRegistry;
-use crate::telemetry::Metrics;
 
+// The layers below, by the names this crate's modules use for them.
+pub(crate) use prism_kube::{crd, reconcilers};
+pub(crate) use prism_store::{db, election, json_int, mcp_store, run_registry, signals};
+
+// What agents ask for (register, heartbeat, fence, release, status), over the election.
+pub mod agent_sessions;
+// The listener (TLS, server limits) and the client a Run uses to speak this API.
+pub mod run_client;
+pub mod transport;
+// The metrics this process exposes (and the reconcilers record into).
+pub mod metrics;
+// Fail points for the tests (the `failpoints` feature).
+pub mod failpoints;
+// Strategies for the property tests of every input (tests only).
+#[cfg(test)]
+pub(crate) mod any_input;
+
+// The routes: Kubernetes-token agents, the proofs and jobs of Runs, the watch, MCP.
 pub mod agents;
 pub mod auth;
 pub mod docs;
@@ -162,4 +181,10 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     let (ready, body) = state.health.readiness();
     let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, Json(body)).into_response()
+}
+
+/// Selects ring as the process's TLS provider for every client (kube, sqlx, reqwest),
+/// whatever features dependencies enable. Idempotent; call before building clients.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }

@@ -625,10 +625,10 @@ pub async fn cancel_job(
 }
 
 /// A long-poll claim counted while it waits.
-struct Waiting<'a>(&'a crate::telemetry::Metrics);
+struct Waiting<'a>(&'a crate::metrics::Metrics);
 
 impl<'a> Waiting<'a> {
-    fn on(metrics: &'a crate::telemetry::Metrics) -> Self {
+    fn on(metrics: &'a crate::metrics::Metrics) -> Self {
         metrics.claims_waiting.inc();
         Waiting(metrics)
     }

@@ -5,7 +5,7 @@
 
 use axum::http::{HeaderMap, StatusCode, Uri, header};
 
-use crate::api::ApiError;
+use crate::ApiError;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {

@@ -2,8 +2,8 @@
 //! and flush), a Redis key prefix, the operator, and the RunSession API of the namespace.
 
 use kube::Api;
-use prism_operator::crd::RunSession;
-use prism_operator::run_client::RunClient;
+use prism_api::run_client::RunClient;
+use prism_kube::crd::RunSession;
 
 use super::{ControlPlane, Operator, PrivateRedis, TestDb, control_plane, eventually};
 
@@ -21,11 +21,11 @@ pub struct RunWorld {
 impl RunWorld {
     /// `env`: more settings for the operator (its Redis and prefix are the world's).
     pub async fn start(hint: &str, env: &[(&str, &str)]) -> RunWorld {
-        let cp = control_plane();
+        let cp = control_plane().await;
         let client = cp.client().await;
         let ns = super::namespace(&client, hint).await;
         let db = TestDb::new().await;
-        let redis = PrivateRedis::start();
+        let redis = PrivateRedis::start().await;
         let prefix = super::redis_prefix();
         let mut all = vec![("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_PREFIX", prefix.as_str())];
         all.extend_from_slice(env);
@@ -64,9 +64,9 @@ impl RunWorld {
 
     /// Pauses every write to Redis (scripts included) for `ms`: the Redis writes the
     /// operator makes meanwhile fail (their 2 s timeout), as a flaky Redis fails them.
-    pub fn pause_writes(&self, ms: u64) {
-        for port in self.redis.masters() {
-            let out = super::redis_cli(port, &["CLIENT", "PAUSE", &ms.to_string(), "WRITE"]);
+    pub async fn pause_writes(&self, ms: u64) {
+        for port in self.redis.masters().await {
+            let out = super::redis_cli(port, &["CLIENT", "PAUSE", &ms.to_string(), "WRITE"]).await;
             assert_eq!(out.trim(), "OK", "CLIENT PAUSE on {port}");
         }
     }

@@ -29,13 +29,13 @@ use tracing::{debug, warn};
 
 use super::SessionFacts;
 use super::resources::{Changes, Follower, MAX_FOLLOWED, ProjectUri, any_woken};
-use crate::api::agents::RESOURCE;
-use crate::api::auth::Caller;
-use crate::api::watch::{KEEPALIVE, RECHECK_EVERY, stopped};
-use crate::api::{ApiError, AppState};
+use crate::agents::RESOURCE;
+use crate::auth::Caller;
 use crate::db::QueryError;
 use crate::mcp_store::{FollowQuota, McpStore, SessionRows};
 use crate::signals::ProjectKey;
+use crate::watch::{KEEPALIVE, RECHECK_EVERY, stopped};
+use crate::{ApiError, AppState};
 
 /// Subscriptions one identity may hold over all its sessions.
 pub const MAX_PER_OWNER: i64 = 256;

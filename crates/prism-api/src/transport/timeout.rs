@@ -19,12 +19,12 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tracing::warn;
 
-use crate::api::ApiError;
+use crate::ApiError;
 
 /// Route templates (as axum writes them: `/api/v1/controller/{project_id}/watch`) that
 /// wait on purpose, with the longest wait (`None`: no request timeout at all).
 pub const WAITING_ROUTES: &[(&str, Option<Duration>)] = &[
-    ("/api/v1/runtime/jobs/claim", Some(Duration::from_secs(crate::api::runs::MAX_CLAIM_WAIT_SECONDS.unsigned_abs()))),
+    ("/api/v1/runtime/jobs/claim", Some(Duration::from_secs(crate::runs::MAX_CLAIM_WAIT_SECONDS.unsigned_abs()))),
     // A stream, ended by its client, by revocation or by the server stopping.
     ("/api/v1/controller/{project_id}/watch", None),
 ];

@@ -244,26 +244,28 @@ impl Reloader {
     }
 }
 
+/// A CA and a server certificate it signed for 127.0.0.1 and localhost, as PEM:
+/// (ca, cert, key). For tests (this crate's, and the test kit's: the `test-util` feature).
+#[cfg(any(test, feature = "test-util"))]
+pub fn test_pair(cn: &str) -> (String, String, String) {
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(rcgen::DnType::CommonName, format!("{cn} CA"));
+    let ca_key = rcgen::KeyPair::generate().expect("CA key");
+    let ca = rcgen::CertifiedIssuer::self_signed(ca, ca_key).expect("CA certificate");
+    let mut leaf =
+        rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).expect("leaf parameters");
+    leaf.distinguished_name.push(rcgen::DnType::CommonName, cn);
+    let key = rcgen::KeyPair::generate().expect("leaf key");
+    let cert = leaf.signed_by(&key, &ca).expect("leaf certificate");
+    (ca.pem(), cert.pem(), key.serialize_pem())
+}
+
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use std::path::Path;
 
     use super::*;
-
-    /// A CA and a server certificate it signed for 127.0.0.1 and localhost, as PEM:
-    /// (ca, cert, key).
-    pub(crate) fn pair(cn: &str) -> (String, String, String) {
-        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca.distinguished_name.push(rcgen::DnType::CommonName, format!("{cn} CA"));
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let ca = rcgen::CertifiedIssuer::self_signed(ca, ca_key).unwrap();
-        let mut leaf = rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
-        leaf.distinguished_name.push(rcgen::DnType::CommonName, cn);
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = leaf.signed_by(&key, &ca).unwrap();
-        (ca.pem(), cert.pem(), key.serialize_pem())
-    }
 
     fn files(dir: &Path) -> CertFiles {
         CertFiles { cert: dir.join("tls.crt"), key: dir.join("tls.key") }
@@ -279,8 +281,8 @@ pub(crate) mod tests {
     fn a_good_pair_loads_and_bad_ones_say_which_file_and_why() {
         let dir = tempdir();
         let f = files(&dir);
-        let (_, cert, key) = pair("one");
-        let (_, other_cert, _) = pair("two");
+        let (_, cert, key) = test_pair("one");
+        let (_, other_cert, _) = test_pair("two");
 
         let e = f.load().unwrap_err();
         assert_eq!(e.variable(), "PRISM_TLS_CERT_FILE");
@@ -342,8 +344,8 @@ pub(crate) mod tests {
         crate::install_crypto_provider();
         let dir = tempdir();
         let f = files(&dir);
-        let (_, cert1, key1) = pair("first");
-        let (_, cert2, key2) = pair("second");
+        let (_, cert1, key1) = test_pair("first");
+        let (_, cert2, key2) = test_pair("second");
         secret_version(&dir, "..v1", &cert1, &key1);
         let loaded = f.load().unwrap();
         let first = loaded.fingerprint.clone();

@@ -24,16 +24,16 @@ use super::SessionFacts;
 use super::resources::{self, Follower};
 use super::subscriptions;
 use crate::agent_sessions::{AgentError, HeartbeatReply, RouteEntry};
-use crate::api::agents::{RESOURCE, check_identifier, check_namespace};
-use crate::api::auth::Caller;
-use crate::api::runs::enqueue_as;
-use crate::api::{ApiError, AppState};
+use crate::agents::{RESOURCE, check_identifier, check_namespace};
+use crate::auth::Caller;
 use crate::crd::{AgentSurface, PRINTABLE_PATTERN, Role};
 use crate::election::LiveRole;
 use crate::election::store::{Nudge, NudgeKind};
 use crate::run_registry::RunAddress;
 use crate::run_registry::jobs::{IDEMPOTENCY_KEY_PATTERN, JobFence, JobKind, JobState, NewJob, idempotency_key_ok};
 use crate::run_registry::service::{check_address, check_jsonb};
+use crate::runs::enqueue_as;
+use crate::{ApiError, AppState};
 use prism_core::limits::{COMPONENT_KIND_MAX, NAMESPACE_MAX, PROJECT_ID_MAX, SERVER_INSTANCE_ID_MAX, SESSION_ID_MAX};
 
 /// The header that names a call's namespace when its arguments do not.
@@ -817,7 +817,7 @@ impl ServerHandler for PrismTools {
         let (caller, parts) = authenticated(context.request_context())?;
         let follower = Follower {
             caller: caller.clone(),
-            headers: crate::api::watch::auth_headers(&parts.headers),
+            headers: crate::watch::auth_headers(&parts.headers),
             peer: peer_of(parts),
         };
         // Read by the gate before rmcp acknowledged the listen; none if it could not be.

@@ -1,41 +1,52 @@
-//! Test platform: a real kube-apiserver + etcd (one per test binary, shared by its tests,
-//! which isolate themselves by namespace), a Postgres database per test and a Redis key
-//! prefix per test. Nothing here skips: a missing service fails the test that needs it.
+//! The test kit of prism-operator's suites and benches: a real kube-apiserver + etcd
+//! (one per test binary, shared by its tests, which isolate themselves by namespace), a
+//! Postgres database per test and a Redis key prefix per test, private Postgres and Redis
+//! servers to stop and start, operator processes, RBAC, tokens and waits. Nothing here
+//! skips: a missing service fails the test that needs it.
+//!
+//! Every child process a test waits for runs through tokio (`tokio::process`), so a test
+//! waiting on kubectl, redis-cli or pg_ctl leaves its runtime free for the operator
+//! clients and watches it also drives.
 //!
 //! The control plane is started by `scripts/control-plane` (a harness of our own rather
 //! than the `envtest` crate: that crate drives controller-runtime's Go envtest through a
 //! Go bridge and configures the API server without RBAC and ServiceAccount token issuing,
 //! which the operator's TokenReview/SubjectAccessReview paths need).
-#![allow(dead_code)]
-
 pub mod faults;
 pub mod runs;
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{ChildStdin, Stdio};
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt as _;
+use tokio::process::{Child, Command};
 
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::events::v1::Event;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
-use prism_operator::crd::{
+use prism_kube::crd::{
     AgentSurface, ControllerRegistration, ControllerRegistrationSpec, ControllerRegistrationStatus, Role, RunPhase,
     RunSession,
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgPool};
 
-/// The checkout the tests run from. Cargo sets CARGO_MANIFEST_DIR when it runs a test, and
-/// that is the one to use: the compile-time value can name another clone, because cargo
-/// reuses a test binary built from identical sources in another checkout that shares the
-/// target directory (CI clones share `~/.cache/prism-operator/target`).
+/// The checkout the tests run from. Cargo sets CARGO_MANIFEST_DIR (the root package's
+/// directory) when it runs a test or a bench, and that is the one to use: the compile-time
+/// value can name another clone, because cargo reuses a test binary built from identical
+/// sources in another checkout that shares the target directory (CI clones share
+/// `~/.cache/prism-operator/target`).
 pub fn repo_root() -> &'static Path {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
-    ROOT.get_or_init(|| {
-        std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from).unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
+    ROOT.get_or_init(|| match std::env::var_os("CARGO_MANIFEST_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        // This crate lives in crates/prism-testkit of the checkout.
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("the checkout"),
     })
 }
 
@@ -57,22 +68,24 @@ pub struct ControlPlane {
     /// a token of the Helm chart's ServiceAccount with exactly the chart's RBAC.
     pub operator_kubeconfig: PathBuf,
     // Holding the pipe keeps the control plane alive; when this process ends, however it
-    // ends, the pipe closes and scripts/control-plane stops etcd and kube-apiserver.
+    // ends, the pipe closes and scripts/control-plane stops etcd and kube-apiserver. A
+    // std child: it outlives the runtime of the test that started it.
     _stdin: Mutex<ChildStdin>,
-    _child: Mutex<Child>,
+    _child: Mutex<std::process::Child>,
 }
 
-static CONTROL_PLANE: OnceLock<ControlPlane> = OnceLock::new();
+static CONTROL_PLANE: tokio::sync::OnceCell<ControlPlane> = tokio::sync::OnceCell::const_new();
 
 /// The test binary's control plane, started on first use, with both CRDs installed.
-pub fn control_plane() -> &'static ControlPlane {
-    CONTROL_PLANE.get_or_init(start_control_plane)
+/// Tests of one binary run on runtimes of their own; they share this one.
+pub async fn control_plane() -> &'static ControlPlane {
+    CONTROL_PLANE.get_or_init(start_control_plane).await
 }
 
-fn start_control_plane() -> ControlPlane {
+async fn start_control_plane() -> ControlPlane {
     let assets = assets_dir();
     let dir = std::env::temp_dir().join(format!("prism-cp-{}-{}", std::process::id(), uuid::Uuid::new_v4().simple()));
-    let mut child = Command::new(repo_root().join("scripts/control-plane"))
+    let mut child = std::process::Command::new(repo_root().join("scripts/control-plane"))
         .arg("run")
         .arg(&dir)
         .arg("--stop-on-eof")
@@ -84,14 +97,18 @@ fn start_control_plane() -> ControlPlane {
         .expect("spawn scripts/control-plane");
     let stdin = child.stdin.take().expect("control plane stdin");
     let stdout = child.stdout.take().expect("control plane stdout");
-    let mut kubeconfig = None;
-    for line in BufReader::new(stdout).lines() {
-        let line = line.expect("read control plane output");
-        if let Some(path) = line.strip_prefix("KUBECONFIG=") {
-            kubeconfig = Some(PathBuf::from(path));
-            break;
+    // Its first lines are read on a thread of their own: the pipe is a std one.
+    let kubeconfig = tokio::task::spawn_blocking(move || {
+        for line in BufReader::new(stdout).lines() {
+            let line = line.expect("read control plane output");
+            if let Some(path) = line.strip_prefix("KUBECONFIG=") {
+                return Some(PathBuf::from(path));
+            }
         }
-    }
+        None
+    })
+    .await
+    .expect("read the control plane's output");
     let kubeconfig = kubeconfig.unwrap_or_else(|| panic!("control plane did not start; logs in {}", dir.display()));
     let mut cp = ControlPlane {
         operator_kubeconfig: kubeconfig.clone(),
@@ -99,7 +116,7 @@ fn start_control_plane() -> ControlPlane {
         _stdin: Mutex::new(stdin),
         _child: Mutex::new(child),
     };
-    cp.kubectl_ok(&["apply", "--server-side", "-f", repo_root().join("crds").to_str().expect("utf-8 path")]);
+    cp.kubectl_ok(&["apply", "--server-side", "-f", repo_root().join("crds").to_str().expect("utf-8 path")]).await;
     // `kubectl wait` fails outright ("status.conditions accessor error") when it reads a
     // CRD before the API server gave it any condition: a CI run met it. Ask again.
     let wait = [
@@ -110,26 +127,26 @@ fn start_control_plane() -> ControlPlane {
         "crd/runsessions.prism.ntecdev.ai",
     ];
     for attempt in 1.. {
-        let out = cp.kubectl(&wait, None);
+        let out = cp.kubectl(&wait, None).await;
         if out.ok {
             break;
         }
         assert!(attempt < 20 && out.stderr.contains("accessor error"), "kubectl {wait:?} failed: {}", out.stderr);
-        std::thread::sleep(std::time::Duration::from_millis(250));
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    cp.kubectl_ok(&["create", "namespace", OPERATOR_NAMESPACE]);
+    cp.kubectl_ok(&["create", "namespace", OPERATOR_NAMESPACE]).await;
     if chart_mode() {
-        cp.operator_kubeconfig = chart_rbac_kubeconfig(&cp, &dir);
+        cp.operator_kubeconfig = chart_rbac_kubeconfig(&cp, &dir).await;
         // As the chart installs it; without it (the default run) the operator adds the
         // finalizer and label itself, so both paths are tested.
-        install_admission_policy(&cp);
+        install_admission_policy(&cp).await;
     }
     cp
 }
 
 /// The chart's MutatingAdmissionPolicy (finalizer and project label at admission), as
 /// `helm install` renders it on a 1.36 cluster; returns once the API server applies it.
-pub fn install_admission_policy(cp: &ControlPlane) {
+pub async fn install_admission_policy(cp: &ControlPlane) {
     let chart = repo_root().join("charts/prism-operator");
     let tmp = std::env::temp_dir().join(format!("prism-helm-{}", uuid::Uuid::new_v4().simple()));
     let out = Command::new(assets_dir().join("helm"))
@@ -140,26 +157,28 @@ pub fn install_admission_policy(cp: &ControlPlane) {
         .env("HELM_CACHE_HOME", tmp.join("cache"))
         .env("HELM_CONFIG_HOME", tmp.join("config"))
         .output()
+        .await
         .expect("helm template");
     let _ = std::fs::remove_dir_all(&tmp);
     assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));
-    let applied = cp.kubectl(&["apply", "-f", "-"], Some(&String::from_utf8_lossy(&out.stdout)));
+    let applied = cp.kubectl(&["apply", "-f", "-"], Some(&String::from_utf8_lossy(&out.stdout))).await;
     assert!(applied.ok, "apply the admission policy: {}", applied.stderr);
     // Policies take effect asynchronously: probe with server-side dry runs.
     let probe = "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {name: policy-probe, namespace: default}\nspec: {projectId: probe, sessionId: probe, agentSurface: other}\n";
     // The operator's mark must be refused to anybody else by the ValidatingAdmissionPolicy
     // (a forged owner is overwritten by the mutating policy before validation).
     let forged = "apiVersion: prism.ntecdev.ai/v1alpha1\nkind: ControllerRegistration\nmetadata: {name: policy-probe, namespace: default, annotations: {prism.ntecdev.ai/registered-by: api}}\nspec: {projectId: probe, sessionId: probe, agentSurface: other}\n";
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let out = cp
-            .kubectl(&["create", "--dry-run=server", "-o", "jsonpath={.metadata.finalizers}", "-f", "-"], Some(probe));
-        let refused = cp.kubectl(&["create", "--dry-run=server", "-f", "-"], Some(forged));
+            .kubectl(&["create", "--dry-run=server", "-o", "jsonpath={.metadata.finalizers}", "-f", "-"], Some(probe))
+            .await;
+        let refused = cp.kubectl(&["create", "--dry-run=server", "-f", "-"], Some(forged)).await;
         if out.ok && out.stdout.contains("prism.ntecdev.ai/release") && !refused.ok {
             return;
         }
         assert!(std::time::Instant::now() < deadline, "admission policy not in effect after 30 s: {}", out.stderr);
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -174,7 +193,7 @@ pub const OPERATOR_NAMESPACE: &str = "prism-system";
 
 /// Installs the chart's ServiceAccount and RBAC (rendered by helm, as a user's install
 /// would) and returns a kubeconfig authenticating as that ServiceAccount.
-fn chart_rbac_kubeconfig(cp: &ControlPlane, dir: &Path) -> PathBuf {
+async fn chart_rbac_kubeconfig(cp: &ControlPlane, dir: &Path) -> PathBuf {
     let chart = repo_root().join("charts/prism-operator");
     let out = Command::new(assets_dir().join("helm"))
         .args(["template", "prism", chart.to_str().expect("utf-8"), "--namespace", OPERATOR_NAMESPACE])
@@ -182,13 +201,14 @@ fn chart_rbac_kubeconfig(cp: &ControlPlane, dir: &Path) -> PathBuf {
         .env("HELM_CACHE_HOME", dir.join("helm-cache"))
         .env("HELM_CONFIG_HOME", dir.join("helm-config"))
         .output()
+        .await
         .expect("helm template");
     assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));
     let rbac = String::from_utf8(out.stdout).expect("utf-8");
-    let applied = cp.kubectl(&["apply", "-f", "-"], Some(&rbac));
+    let applied = cp.kubectl(&["apply", "-f", "-"], Some(&rbac)).await;
     assert!(applied.ok, "apply chart RBAC: {}", applied.stderr);
     let token =
-        cp.kubectl_ok(&["create", "token", "prism-prism-operator", "-n", OPERATOR_NAMESPACE, "--duration", "6h"]);
+        cp.kubectl_ok(&["create", "token", "prism-prism-operator", "-n", OPERATOR_NAMESPACE, "--duration", "6h"]).await;
     let path = dir.join("operator-kubeconfig");
     write_token_kubeconfig(cp, token.trim(), &path);
     eprintln!("operator processes run with the chart's ServiceAccount (PRISM_TEST_OPERATOR_RBAC=chart)");
@@ -210,20 +230,20 @@ pub fn write_token_kubeconfig(cp: &ControlPlane, token: &str, path: &Path) {
 }
 
 /// kubectl with `kubeconfig`, fed `stdin`.
-fn kubectl_with(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
-    use std::io::Write;
+async fn kubectl_with(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
     let mut child = Command::new(assets_dir().join("kubectl"))
         .args(args)
         .env("KUBECONFIG", kubeconfig)
         .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .kill_on_drop(true)
         .spawn()
         .expect("spawn kubectl");
     if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(input.as_bytes()).expect("write kubectl stdin");
+        pipe.write_all(input.as_bytes()).await.expect("write kubectl stdin");
     }
-    let out = child.wait_with_output().expect("kubectl output");
+    let out = child.wait_with_output().await.expect("kubectl output");
     Output {
         ok: out.status.success(),
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -239,21 +259,21 @@ pub struct Output {
 
 impl ControlPlane {
     /// Runs the kubectl built with the API server (same version) against this control plane.
-    pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
-        kubectl_with(&self.kubeconfig, args, stdin)
+    pub async fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        kubectl_with(&self.kubeconfig, args, stdin).await
     }
 
     /// kubectl as the holder of `token` (a token for the API server's audience), not as admin.
-    pub fn kubectl_as(&self, token: &str, args: &[&str], stdin: Option<&str>) -> Output {
+    pub async fn kubectl_as(&self, token: &str, args: &[&str], stdin: Option<&str>) -> Output {
         let path = std::env::temp_dir().join(format!("prism-kubeconfig-{}", uuid::Uuid::new_v4().simple()));
         write_token_kubeconfig(self, token, &path);
-        let out = kubectl_with(&path, args, stdin);
+        let out = kubectl_with(&path, args, stdin).await;
         let _ = std::fs::remove_file(&path);
         out
     }
 
-    pub fn kubectl_ok(&self, args: &[&str]) -> String {
-        let out = self.kubectl(args, None);
+    pub async fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args, None).await;
         assert!(out.ok, "kubectl {args:?} failed: {}", out.stderr);
         out.stdout
     }
@@ -261,7 +281,7 @@ impl ControlPlane {
     /// A client for the calling test's own runtime (a client's connections belong to the
     /// runtime that made them, and every #[tokio::test] has its own).
     pub async fn client(&self) -> Client {
-        prism_operator::install_crypto_provider();
+        prism_api::install_crypto_provider();
         let kc = Kubeconfig::read_from(&self.kubeconfig).expect("read kubeconfig");
         let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await.expect("kubeconfig");
         Client::try_from(config).expect("kube client")
@@ -318,11 +338,12 @@ pub fn redis_cluster_url() -> String {
 }
 
 /// `redis-cli -p port args…` on loopback; its stdout (RESP errors included, as text).
-pub fn redis_cli(port: u16, args: &[&str]) -> String {
+pub async fn redis_cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)
         .output()
+        .await
         .expect("redis-cli (scripts/services installs it)");
     String::from_utf8_lossy(&out.stdout).replace('\r', "")
 }
@@ -372,7 +393,7 @@ impl TestDb {
         let url = with_database(&admin, &name);
         let pool = PgPoolOptions::new().max_connections(8).connect(&url).await.expect("connect to test database");
         if migrate {
-            prism_operator::db::migrate(&pool).await.expect("migrations apply");
+            prism_store::db::migrate(&pool).await.expect("migrations apply");
         }
         TestDb { name, url, pool }
     }
@@ -450,12 +471,20 @@ pub fn free_port() -> u16 {
     panic!("no free loopback port in {range:?} after 1000 tries")
 }
 
-/// The operator binary the tests start: cargo's build of this package, or the one
-/// PRISM_TEST_OPERATOR_BIN names (scripts/soak runs the fault harness on the release build).
+/// The operator binary the tests start: the one PRISM_TEST_OPERATOR_BIN names (scripts/soak
+/// runs the fault harness on the release build), or cargo's build beside the running test
+/// or bench (cargo builds the package's binary for its tests and benches: the test is
+/// `<profile>/deps/<name>-<hash>`, the binary `<profile>/prism-operator`).
 pub fn operator_binary() -> PathBuf {
     match std::env::var_os("PRISM_TEST_OPERATOR_BIN") {
         Some(path) if !path.is_empty() => PathBuf::from(path),
-        _ => PathBuf::from(env!("CARGO_BIN_EXE_prism-operator")),
+        _ => {
+            let exe = std::env::current_exe().expect("the test's own path");
+            let profile = exe.parent().and_then(Path::parent).expect("a test under <target>/<profile>/deps");
+            let binary = profile.join(format!("prism-operator{}", std::env::consts::EXE_SUFFIX));
+            assert!(binary.exists(), "no operator binary at {} (build it: cargo build)", binary.display());
+            binary
+        }
     }
 }
 
@@ -498,6 +527,7 @@ impl Operator {
                 .stdin(Stdio::null())
                 .stdout(out)
                 .stderr(err)
+                .kill_on_drop(true)
                 .spawn()
                 .expect("prism-operator run starts");
             // An operator given a certificate (tests/transport.rs) serves https only; the
@@ -506,12 +536,12 @@ impl Operator {
             let scheme = if tls { "https" } else { "http" };
             let mut op = Operator { base: format!("{scheme}://127.0.0.1:{port}"), log, child };
             let http = if tls {
-                prism_operator::install_crypto_provider();
+                prism_api::install_crypto_provider();
                 reqwest::Client::builder().tls_danger_accept_invalid_certs(true).build().expect("client")
             } else {
                 http()
             };
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
             loop {
                 if http.get(op.url("/healthz")).send().await.is_ok() {
                     return op;
@@ -530,7 +560,7 @@ impl Operator {
                     "operator did not answer /healthz within 30 s:\n{}",
                     op.logs()
                 );
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
         unreachable!("the last attempt returns or panics")
@@ -541,7 +571,7 @@ impl Operator {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.child.id().expect("the operator is running")
     }
 
     /// How the process ended, if it has (a test that expects it to carry on checks None).
@@ -554,18 +584,12 @@ impl Operator {
     }
 
     /// `kill -9`: no graceful anything; returns once the process is gone.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
     }
 }
 
-impl Drop for Operator {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+// Dropped, the process is killed (`kill_on_drop`) and reaped by tokio in the background.
 
 /// Polls `check` until it returns Some, or fails the test after `secs` seconds.
 pub async fn eventually<T, F, Fut>(secs: u64, what: &str, mut check: F) -> T
@@ -573,13 +597,13 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
     loop {
         if let Some(v) = check().await {
             return v;
         }
         assert!(std::time::Instant::now() < deadline, "timed out after {secs}s waiting for {what}");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -659,33 +683,33 @@ pub async fn events_about(client: &Client, ns: &str, name: &str) -> Vec<Event> {
 
 /// A ServiceAccount in `namespace` bound to `verbs` on controllerregistrations there,
 /// and a token for it (TokenRequest, as `kubectl create token` does).
-pub fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str]) -> String {
-    sa_token(cp, namespace, sa, "controllerregistrations", verbs)
+pub async fn agent_token(cp: &ControlPlane, namespace: &str, sa: &str, verbs: &[&str]) -> String {
+    sa_token(cp, namespace, sa, "controllerregistrations", verbs).await
 }
 
 /// The bearer token of user `prism-person` (scripts/control-plane's static token: a
 /// person, as OIDC gives one, not a ServiceAccount), bound to `verbs` on registrations
 /// in `namespace`.
-pub fn person_token(cp: &ControlPlane, namespace: &str, verbs: &[&str]) -> String {
+pub async fn person_token(cp: &ControlPlane, namespace: &str, verbs: &[&str]) -> String {
     let subject = serde_json::json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "prism-person"});
-    bind(cp, namespace, "person", subject, "controllerregistrations", verbs, None);
+    bind(cp, namespace, "person", subject, "controllerregistrations", verbs, None).await;
     let dir = cp.kubeconfig.parent().expect("control plane dir");
     std::fs::read_to_string(dir.join("person-token")).expect("scripts/control-plane writes person-token")
 }
 
 /// A ServiceAccount bound to `verbs` on `resource` (group prism.ntecdev.ai) in `namespace`,
 /// and a token for it.
-pub fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) -> String {
+pub async fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) -> String {
     let account = serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": namespace}});
     let subject = serde_json::json!({"kind": "ServiceAccount", "name": sa, "namespace": namespace});
-    bind(cp, namespace, sa, subject, resource, verbs, Some(account));
-    cp.kubectl_ok(&["create", "token", sa, "-n", namespace, "--audience", AGENT_AUDIENCE]).trim().to_string()
+    bind(cp, namespace, sa, subject, resource, verbs, Some(account)).await;
+    cp.kubectl_ok(&["create", "token", sa, "-n", namespace, "--audience", AGENT_AUDIENCE]).await.trim().to_string()
 }
 
 /// One more Role for ServiceAccount `sa` (made by `sa_token`): `verbs` on `resource`.
-pub fn grant(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) {
+pub async fn grant(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) {
     let subject = serde_json::json!({"kind": "ServiceAccount", "name": sa, "namespace": namespace});
-    bind(cp, namespace, &format!("{sa}-{resource}"), subject, resource, verbs, None);
+    bind(cp, namespace, &format!("{sa}-{resource}"), subject, resource, verbs, None).await;
 }
 
 /// The audience agents' tokens are made for, as the MCP guide says (SPEC §12).
@@ -696,13 +720,13 @@ pub const API_SERVER_AUDIENCE: &str = "https://kubernetes.default.svc.cluster.lo
 
 /// A token of ServiceAccount `sa` for the API server's own audience (no `--audience`):
 /// a full credential for the cluster, which the operator refuses by default.
-pub fn api_server_token(cp: &ControlPlane, namespace: &str, sa: &str) -> String {
-    cp.kubectl_ok(&["create", "token", sa, "-n", namespace]).trim().to_string()
+pub async fn api_server_token(cp: &ControlPlane, namespace: &str, sa: &str) -> String {
+    cp.kubectl_ok(&["create", "token", sa, "-n", namespace]).await.trim().to_string()
 }
 
 /// A Role `name` with `verbs` on `resource` (group prism.ntecdev.ai) in `namespace`,
 /// bound to `subject`, applied together with `extra` (the subject itself, if it is made).
-fn bind(
+async fn bind(
     cp: &ControlPlane,
     namespace: &str,
     name: &str,
@@ -720,7 +744,7 @@ fn bind(
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}, "subjects": [subject]}),
     );
     let manifest = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string();
-    let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest));
+    let out = cp.kubectl(&["apply", "-f", "-"], Some(&manifest)).await;
     assert!(out.ok, "RBAC setup failed: {}", out.stderr);
 }
 
@@ -733,18 +757,26 @@ pub struct PrivatePostgres {
 }
 
 impl PrivatePostgres {
-    fn as_postgres_user(&self, args: &[&str]) -> std::process::Output {
+    /// A PostgreSQL tool's command line, run as the `postgres` user when we are root
+    /// (PostgreSQL refuses to run as root).
+    fn as_postgres_user(args: &[&str]) -> std::process::Command {
         let line = args.iter().map(|a| format!("'{a}'")).collect::<Vec<_>>().join(" ");
-        // PostgreSQL refuses to run as root: as root, run it as the `postgres` user.
-        let out = if nix_is_root() {
-            Command::new("su").args(["postgres", "-s", "/bin/sh", "-c", &line]).output()
+        let mut cmd = if is_root() {
+            let mut su = std::process::Command::new("su");
+            su.args(["postgres", "-s", "/bin/sh"]);
+            su
         } else {
-            Command::new("sh").args(["-c", &line]).output()
+            std::process::Command::new("sh")
         };
-        out.expect("run a PostgreSQL tool")
+        cmd.args(["-c", &line]);
+        cmd
     }
 
-    pub fn start() -> PrivatePostgres {
+    async fn run_as_postgres_user(args: &[&str]) -> std::process::Output {
+        Command::from(Self::as_postgres_user(args)).output().await.expect("run a PostgreSQL tool")
+    }
+
+    pub async fn start() -> PrivatePostgres {
         let bin = std::fs::read_dir("/usr/lib/postgresql")
             .expect("PostgreSQL server binaries (scripts/services installs them)")
             .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
@@ -753,21 +785,23 @@ impl PrivatePostgres {
             .expect("an initdb");
         let dir = std::env::temp_dir().join(format!("prism-pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("pg dir");
-        if nix_is_root() {
-            let ok = Command::new("chown").args(["postgres", dir.to_str().expect("utf-8")]).status().expect("chown");
+        if is_root() {
+            let ok =
+                Command::new("chown").args(["postgres", dir.to_str().expect("utf-8")]).status().await.expect("chown");
             assert!(ok.success());
         }
         let port = free_port();
         let pg = PrivatePostgres { url: format!("postgres://postgres@127.0.0.1:{port}/postgres"), dir, bin };
         let data = pg.dir.join("data");
-        let out = pg.as_postgres_user(&[
+        let out = Self::run_as_postgres_user(&[
             pg.bin.join("initdb").to_str().expect("utf-8"),
             "-D",
             data.to_str().expect("utf-8"),
             "--auth=trust",
             "-U",
             "postgres",
-        ]);
+        ])
+        .await;
         assert!(out.status.success(), "initdb: {}", String::from_utf8_lossy(&out.stderr));
         let conf = format!(
             "port = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\nfsync = off\n",
@@ -778,11 +812,12 @@ impl PrivatePostgres {
             .open(data.join("postgresql.conf"))
             .and_then(|mut f| std::io::Write::write_all(&mut f, conf.as_bytes()))
             .expect("configure");
-        pg.ctl("start");
+        pg.ctl("start").await;
         pg
     }
 
-    pub fn ctl(&self, action: &str) {
+    /// `pg_ctl <action>` (start, stop, restart), waiting for it to finish.
+    pub async fn ctl(&self, action: &str) {
         let data = self.dir.join("data");
         let log = self.dir.join("log");
         let args = [
@@ -797,28 +832,35 @@ impl PrivatePostgres {
             action.into(),
         ];
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let out = self.as_postgres_user(&args);
+        let out = Self::run_as_postgres_user(&args).await;
         assert!(out.status.success(), "pg_ctl {action}: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
 
 impl Drop for PrivatePostgres {
     fn drop(&mut self) {
+        // Drop cannot wait asynchronously: a blocking `pg_ctl stop -m immediate`, brief.
         let data = self.dir.join("data");
-        let _ = self.as_postgres_user(&[
+        let _ = Self::as_postgres_user(&[
             self.bin.join("pg_ctl").to_str().unwrap_or_default(),
             "-D",
             data.to_str().unwrap_or_default(),
             "-m",
             "immediate",
             "stop",
-        ]);
+        ])
+        .output();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
-fn nix_is_root() -> bool {
-    Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
+/// Whether this process's effective user is root (the second `Uid:` field of
+/// /proc/self/status).
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Uid:")).map(|u| u.split_whitespace().nth(1) == Some("0")))
+        .unwrap_or(false)
 }
 
 /// A Redis of the test's own on loopback, to stop, start and flush: one redis-server, or
@@ -840,29 +882,29 @@ struct PrivateNode {
 }
 
 impl PrivateRedis {
-    pub fn start() -> PrivateRedis {
-        PrivateRedis::start_with_replicas(0)
+    pub async fn start() -> PrivateRedis {
+        PrivateRedis::start_with_replicas(0).await
     }
 
     /// In cluster mode, `replicas` replicas per master (a master can then fail over);
     /// standalone, one server whatever `replicas` says.
-    pub fn start_with_replicas(replicas: usize) -> PrivateRedis {
-        PrivateRedis::start_as(redis_cluster_mode(), replicas)
+    pub async fn start_with_replicas(replicas: usize) -> PrivateRedis {
+        PrivateRedis::start_as(redis_cluster_mode(), replicas).await
     }
 
     /// A private Redis Cluster whatever PRISM_TEST_REDIS says: 3 masters, `replicas` each.
-    pub fn cluster(replicas: usize) -> PrivateRedis {
-        PrivateRedis::start_as(true, replicas)
+    pub async fn cluster(replicas: usize) -> PrivateRedis {
+        PrivateRedis::start_as(true, replicas).await
     }
 
-    fn start_as(cluster: bool, replicas: usize) -> PrivateRedis {
+    async fn start_as(cluster: bool, replicas: usize) -> PrivateRedis {
         let count = if cluster { 3 * (1 + replicas) } else { 1 };
         let nodes: Vec<PrivateNode> =
             (0..count).map(|_| PrivateNode { port: free_port(), bus: free_port(), child: None }).collect();
         let url = nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",");
         let dir = std::env::temp_dir().join(format!("prism-redis-{}", uuid::Uuid::new_v4().simple()));
         let mut r = PrivateRedis { url, nodes, dir, cluster };
-        r.spawn();
+        r.spawn().await;
         if cluster {
             let addrs: Vec<String> = r.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
             let out = Command::new("redis-cli")
@@ -870,22 +912,23 @@ impl PrivateRedis {
                 .args(&addrs)
                 .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
                 .output()
+                .await
                 .expect("redis-cli --cluster create");
             assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
-            r.wait_cluster_ok();
+            r.wait_cluster_ok().await;
         }
         r
     }
 
-    fn spawn(&mut self) {
+    async fn spawn(&mut self) {
         for i in 0..self.nodes.len() {
             self.spawn_node(i);
         }
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
         for n in &self.nodes {
-            while std::net::TcpStream::connect(("127.0.0.1", n.port)).is_err() {
+            while tokio::net::TcpStream::connect(("127.0.0.1", n.port)).await.is_err() {
                 assert!(std::time::Instant::now() < deadline, "redis-server did not start on port {}", n.port);
-                std::thread::sleep(std::time::Duration::from_millis(50));
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
     }
@@ -909,12 +952,14 @@ impl PrivateRedis {
                 "no",
             ]);
         }
-        n.child = Some(cmd.stdout(Stdio::null()).spawn().expect("redis-server (scripts/services installs it)"));
+        n.child = Some(
+            cmd.stdout(Stdio::null()).kill_on_drop(true).spawn().expect("redis-server (scripts/services installs it)"),
+        );
     }
 
     /// The role a running node reports (`master` or `slave`), None if it does not answer.
-    fn role(port: u16) -> Option<String> {
-        redis_cli(port, &["ROLE"]).lines().next().map(|l| l.trim().to_string()).filter(|r| !r.is_empty())
+    async fn role(port: u16) -> Option<String> {
+        redis_cli(port, &["ROLE"]).await.lines().next().map(|l| l.trim().to_string()).filter(|r| !r.is_empty())
     }
 
     fn running_ports(&self) -> Vec<u16> {
@@ -922,122 +967,135 @@ impl PrivateRedis {
     }
 
     /// The ports of the running masters.
-    pub fn masters(&self) -> Vec<u16> {
-        self.running_ports().into_iter().filter(|p| Self::role(*p).as_deref() == Some("master")).collect()
+    pub async fn masters(&self) -> Vec<u16> {
+        self.running_with_role("master").await
+    }
+
+    /// The ports of the running nodes whose role is `role`.
+    async fn running_with_role(&self, role: &str) -> Vec<u16> {
+        let mut ports = Vec::new();
+        for port in self.running_ports() {
+            if Self::role(port).await.as_deref() == Some(role) {
+                ports.push(port);
+            }
+        }
+        ports
     }
 
     /// A graceful failover: `CLUSTER FAILOVER` on the replica of the `pick`-th master;
     /// returns once the replica is a master and every node is ok. None when there is no
     /// replica (standalone, or a cluster without replicas).
-    pub fn failover(&self, pick: usize) -> Option<String> {
+    pub async fn failover(&self, pick: usize) -> Option<String> {
         if !self.cluster {
             return None;
         }
-        let replicas: Vec<u16> =
-            self.running_ports().into_iter().filter(|p| Self::role(*p).as_deref() == Some("slave")).collect();
+        let replicas = self.running_with_role("slave").await;
         if replicas.is_empty() {
             return None;
         }
         let port = replicas[pick % replicas.len()];
         // A manual failover waits for the replica to catch up with its master: only a
         // replica whose link is up (synced) can take over.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while info_field(&redis_cli(port, &["INFO", "replication"]), "master_link_status").as_deref() != Some("up") {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while info_field(&redis_cli(port, &["INFO", "replication"]).await, "master_link_status").as_deref()
+            != Some("up")
+        {
             assert!(std::time::Instant::now() < deadline, "replica {port} never synced with its master");
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let mut asked = None;
-        while Self::role(port).as_deref() != Some("master") {
+        while Self::role(port).await.as_deref() != Some("master") {
             assert!(std::time::Instant::now() < deadline, "replica {port} did not become a master");
             // Asked again after 10 s: a manual failover that timed out is dropped.
-            if asked.is_none_or(|t: std::time::Instant| t.elapsed() > std::time::Duration::from_secs(10)) {
-                let out = redis_cli(port, &["CLUSTER", "FAILOVER"]);
+            if asked.is_none_or(|t: std::time::Instant| t.elapsed() > Duration::from_secs(10)) {
+                let out = redis_cli(port, &["CLUSTER", "FAILOVER"]).await;
                 assert_eq!(out.trim(), "OK", "CLUSTER FAILOVER on {port}");
                 asked = Some(std::time::Instant::now());
             }
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        self.wait_cluster_ok();
+        self.wait_cluster_ok().await;
         Some(format!("CLUSTER FAILOVER: replica {port} is master"))
     }
 
     /// `kill -9` of the `pick`-th master; once its replica has taken over (the cluster is
     /// ok without it), the killed node is started again and rejoins as a replica. None
     /// when no master has a replica to take over.
-    pub fn kill_master(&mut self, pick: usize) -> Option<String> {
+    pub async fn kill_master(&mut self, pick: usize) -> Option<String> {
         if !self.cluster || self.nodes.len() <= 3 {
             return None;
         }
-        let masters = self.masters();
+        let masters = self.masters().await;
         let port = masters[pick % masters.len()];
         let i = self.nodes.iter().position(|n| n.port == port).expect("a node of ours");
         if let Some(mut c) = self.nodes[i].child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            let _ = c.kill().await;
         }
         let started = std::time::Instant::now();
-        let deadline = started + std::time::Duration::from_secs(30);
-        while self.masters().len() < 3 {
+        let deadline = started + Duration::from_secs(30);
+        while self.masters().await.len() < 3 {
             assert!(std::time::Instant::now() < deadline, "no replica took over from killed master {port}");
-            std::thread::sleep(std::time::Duration::from_millis(100));
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let took = started.elapsed();
-        self.wait_cluster_ok();
+        self.wait_cluster_ok().await;
         self.spawn_node(i);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
             assert!(std::time::Instant::now() < deadline, "redis-server did not restart on port {port}");
-            std::thread::sleep(std::time::Duration::from_millis(50));
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        self.wait_cluster_ok();
+        self.wait_cluster_ok().await;
         Some(format!("kill -9 of master {port}: a replica took over in {:.1} s; {port} rejoined", took.as_secs_f64()))
     }
 
     /// Every running node of the private cluster says `cluster_state:ok`.
-    fn wait_cluster_ok(&self) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        for n in self.nodes.iter().filter(|n| n.child.is_some()) {
+    async fn wait_cluster_ok(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        for port in self.running_ports() {
             loop {
-                let info = redis_cli(n.port, &["CLUSTER", "INFO"]);
+                let info = redis_cli(port, &["CLUSTER", "INFO"]).await;
                 if info_field(&info, "cluster_state").as_deref() == Some("ok") {
                     break;
                 }
                 assert!(std::time::Instant::now() < deadline, "private Redis Cluster not ok: {info}");
-                std::thread::sleep(std::time::Duration::from_millis(100));
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
     }
 
-    pub fn up(&mut self) {
-        self.spawn();
+    /// Starts every node again (after `down`); returns once they serve.
+    pub async fn up(&mut self) {
+        self.spawn().await;
         if self.cluster {
-            self.wait_cluster_ok();
+            self.wait_cluster_ok().await;
         }
     }
 
-    pub fn down(&mut self) {
+    /// `kill -9` of every node; returns once they are gone.
+    pub async fn down(&mut self) {
         for n in &mut self.nodes {
             if let Some(mut c) = n.child.take() {
-                let _ = c.kill();
-                let _ = c.wait();
+                let _ = c.kill().await;
             }
         }
     }
 
     /// Every node loses its data (on a cluster FLUSHALL is per master; replicas follow).
-    pub fn flushall(&self) {
-        for n in self.nodes.iter().filter(|n| n.child.is_some()) {
-            if self.cluster && Self::role(n.port).as_deref() != Some("master") {
+    pub async fn flushall(&self) {
+        for port in self.running_ports() {
+            if self.cluster && Self::role(port).await.as_deref() != Some("master") {
                 continue;
             }
-            let out = redis_cli(n.port, &["FLUSHALL"]);
-            assert_eq!(out.trim(), "OK", "FLUSHALL on port {}", n.port);
+            let out = redis_cli(port, &["FLUSHALL"]).await;
+            assert_eq!(out.trim(), "OK", "FLUSHALL on port {port}");
         }
     }
 }
 
 impl Drop for PrivateRedis {
     fn drop(&mut self) {
-        self.down();
+        // The nodes are killed as their handles drop (`kill_on_drop`); tokio reaps them.
+        self.nodes.clear();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -1060,11 +1118,11 @@ pub async fn create_run_session(
     server: &str,
     lease_seconds: Option<i32>,
 ) -> ed25519_dalek::SigningKey {
-    let (key, public) = prism_operator::run_client::new_key().expect("key");
-    let spec = prism_operator::crd::RunSessionSpec {
+    let (key, public) = prism_api::run_client::new_key().expect("key");
+    let spec = prism_kube::crd::RunSessionSpec {
         server_instance_id: server.into(),
         component_kind: "run".into(),
-        credential: prism_operator::crd::RunCredential { public_key: public, generation: 1 },
+        credential: prism_kube::crd::RunCredential { public_key: public, generation: 1 },
         lease_seconds,
         paused: false,
     };
@@ -1074,28 +1132,30 @@ pub async fn create_run_session(
 
 /// The virtualenv python with the pinned official MCP SDK (scripts/mcp-sdk installs it on
 /// first use), which runs tests/mcp/*.py.
-pub fn mcp_python() -> &'static PathBuf {
-    static PYTHON: OnceLock<PathBuf> = OnceLock::new();
-    PYTHON.get_or_init(|| {
-        let out = Command::new(repo_root().join("scripts/mcp-sdk")).output().expect("run scripts/mcp-sdk");
-        assert!(out.status.success(), "scripts/mcp-sdk failed: {}", String::from_utf8_lossy(&out.stderr));
-        PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-    })
+pub async fn mcp_python() -> &'static PathBuf {
+    static PYTHON: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
+    PYTHON
+        .get_or_init(|| async {
+            let out = Command::new(repo_root().join("scripts/mcp-sdk")).output().await.expect("run scripts/mcp-sdk");
+            assert!(out.status.success(), "scripts/mcp-sdk failed: {}", String::from_utf8_lossy(&out.stderr));
+            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+        })
+        .await
 }
 
 /// Runs scenario `name` of tests/mcp/scenarios.py (the official MCP Python SDK) in protocol
 /// generation `mode` (`legacy` or `modern`) against `url` with `token`; `extra` are more
 /// `--key value` arguments. Returns the JSON the scenario printed.
 pub async fn mcp_scenario(name: &str, mode: &str, url: &str, token: &str, extra: &[(&str, &str)]) -> serde_json::Value {
-    let python = mcp_python().clone();
-    let mut cmd = tokio::process::Command::new(python);
+    let python = mcp_python().await.clone();
+    let mut cmd = Command::new(python);
     cmd.arg(repo_root().join("tests/mcp/scenarios.py"))
         .args([name, "--mode", mode, "--url", url, "--token", token])
         .kill_on_drop(true);
     for (k, v) in extra {
         cmd.arg(format!("--{k}")).arg(v);
     }
-    let out = tokio::time::timeout(std::time::Duration::from_secs(180), cmd.output())
+    let out = tokio::time::timeout(Duration::from_secs(180), cmd.output())
         .await
         .unwrap_or_else(|_| panic!("scenario {name} ({mode}) did not finish within 180 s"))
         .expect("run python");
@@ -1108,7 +1168,7 @@ pub async fn mcp_scenario(name: &str, mode: &str, url: &str, token: &str, extra:
 
 /// An HTTP client for talking to the operator (plain HTTP on loopback).
 pub fn http() -> reqwest::Client {
-    prism_operator::install_crypto_provider();
+    prism_api::install_crypto_provider();
     reqwest::Client::new()
 }
 
@@ -1138,7 +1198,7 @@ pub async fn register(
 /// hand (`event:`, `id:`, `data:` lines), as a client in any language would.
 pub async fn next_sse(stream: &mut reqwest::Response, event: &str) -> Option<(Option<String>, serde_json::Value)> {
     let mut buffer = String::new();
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         while let Some(end) = buffer.find("\n\n") {
             let frame: String = buffer.drain(..end + 2).collect();
@@ -1155,3 +1215,7 @@ pub async fn next_sse(stream: &mut reqwest::Response, event: &str) -> Option<(Op
         }
     }
 }
+
+/// A CA and a server certificate it signed for 127.0.0.1 and localhost, as PEM:
+/// (ca, cert, key).
+pub use prism_api::transport::tls::test_pair as tls_pair;

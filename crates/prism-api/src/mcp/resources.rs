@@ -29,11 +29,11 @@ use serde_json::json;
 use tracing::debug;
 
 use crate::agent_sessions::ChangeId;
-use crate::api::agents::{RESOURCE, check_identifier, check_namespace};
-use crate::api::auth::Caller;
-use crate::api::watch::{RECHECK_EVERY, stopped};
-use crate::api::{ApiError, AppState};
+use crate::agents::{RESOURCE, check_identifier, check_namespace};
+use crate::auth::Caller;
 use crate::signals::ProjectKey;
+use crate::watch::{RECHECK_EVERY, stopped};
+use crate::{ApiError, AppState};
 
 /// The URI template of SPEC §11.
 pub const TEMPLATE: &str = "prism://{namespace}/projects/{project_id}";

@@ -101,21 +101,21 @@ pub fn body_bytes(valid: Value) -> impl Strategy<Value = Vec<u8>> {
 
 /// A body through the handlers' own JSON extractor (`ApiJson`: content type, size limit,
 /// syntax and shape), as a request with `Content-Type: application/json`.
-pub fn through_api_json<T: serde::de::DeserializeOwned>(body: Vec<u8>) -> Result<T, crate::api::ApiError> {
+pub fn through_api_json<T: serde::de::DeserializeOwned>(body: Vec<u8>) -> Result<T, crate::ApiError> {
     use axum::extract::FromRequest;
     let request = axum::http::Request::builder()
         .method("POST")
         .uri("/")
         .header(axum::http::header::CONTENT_TYPE, "application/json")
         .body(axum::body::Body::from(body))
-        .map_err(|e| crate::api::ApiError::internal("test request", e))?;
+        .map_err(|e| crate::ApiError::internal("test request", e))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
-        .map_err(|e| crate::api::ApiError::internal("test runtime", e))?;
-    runtime.block_on(crate::api::ApiJson::<T>::from_request(request, &())).map(|crate::api::ApiJson(v)| v)
+        .map_err(|e| crate::ApiError::internal("test runtime", e))?;
+    runtime.block_on(crate::ApiJson::<T>::from_request(request, &())).map(|crate::ApiJson(v)| v)
 }
 
 /// The property every refusal of input must have: a 4xx (a 5xx is the operator's fault).
-pub fn is_client_error(e: &crate::api::ApiError) -> bool {
+pub fn is_client_error(e: &crate::ApiError) -> bool {
     e.status.is_client_error()
 }

@@ -38,12 +38,13 @@ pub fn seed() -> u64 {
 /// Runs the independent invariant checker (tests/faults/check_invariants.py: psql and
 /// SPEC §10, no code of the operator) on `db_url` with `args`; returns whether every
 /// invariant held and what it printed. A crash of the checker itself fails the test.
-pub fn check_invariants(db_url: &str, args: &[&str]) -> (bool, String) {
-    let out = std::process::Command::new("python3")
+pub async fn check_invariants(db_url: &str, args: &[&str]) -> (bool, String) {
+    let out = tokio::process::Command::new("python3")
         .arg(super::repo_root().join("tests/faults/check_invariants.py"))
         .arg(db_url)
         .args(args)
         .output()
+        .await
         .expect("run the checker (python3)");
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
