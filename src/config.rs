@@ -1,11 +1,11 @@
 //! Command line and environment configuration. Every setting is a flag with an env
 //! fallback; a missing or malformed one is a one-line error at start, never a panic.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 // Where the stores are, said in their own terms (prism-store), parsed here.
+pub use prism_api::settings::{ApiArgs, SettingsError};
 pub use prism_store::db::redact_url;
 pub use prism_store::run_registry::RedisEndpoint;
 
@@ -242,9 +242,9 @@ pub struct RunArgs {
     /// Prefix of every Redis key this operator writes.
     #[arg(long, env = "PRISM_REDIS_PREFIX", default_value = "prism")]
     pub redis_prefix: String,
-    /// Address of the HTTP API (and /healthz, /readyz, /metrics).
-    #[arg(long, env = "PRISM_LISTEN", default_value = "0.0.0.0:8080")]
-    pub listen: SocketAddr,
+    /// The HTTP and MCP API: its listener, tokens, limits and TLS (prism-api reads them).
+    #[command(flatten)]
+    pub api: ApiArgs,
     /// A registration whose last heartbeat is older than this is released as stale.
     #[arg(long, env = "PRISM_CONTROLLER_PEER_STALE_MINUTES", default_value_t = 10,
           value_parser = clap::value_parser!(u32).range(1..=10_080))]
@@ -292,45 +292,6 @@ pub struct RunArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "PRISM_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
-    /// Host names (or host:port) under which clients reach /mcp: a request's Host header,
-    /// and the Origin of a browser's, must be one of them (`*` admits any). The chart adds
-    /// its Service's names.
-    #[arg(long, env = "PRISM_MCP_ALLOWED_HOSTS", value_delimiter = ',', default_value = "localhost,127.0.0.1,::1")]
-    pub mcp_allowed_hosts: Vec<String>,
-    /// Key (at least 32 characters) that signs MCP session ids; every replica needs the
-    /// same. Default: a random key kept in Postgres, shared by every replica.
-    #[arg(long, env = "PRISM_MCP_SESSION_KEY", hide_env_values = true)]
-    pub mcp_session_key: Option<String>,
-    /// Audiences an agent's token must be valid for (TokenReview `spec.audiences`, SPEC
-    /// §12): tokens made with `kubectl create token ... --audience prism-operator` are no
-    /// credential for the API server itself. Adding the API server's own audience (its
-    /// issuer, e.g. https://kubernetes.default.svc.cluster.local) accepts plain tokens too.
-    #[arg(long, env = "PRISM_TOKEN_AUDIENCES", value_delimiter = ',', default_value = "prism-operator")]
-    pub token_audiences: Vec<String>,
-    /// Requests per second one source address may make that cost a TokenReview (a token
-    /// not seen in the last seconds) or a hello; 429 `rate_limited` beyond it.
-    #[arg(long, env = "PRISM_UNAUTHENTICATED_RATE", default_value_t = 20,
-          value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    pub unauthenticated_rate: u32,
-    /// How many of those may come at once.
-    #[arg(long, env = "PRISM_UNAUTHENTICATED_BURST", default_value_t = 100,
-          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    pub unauthenticated_burst: u32,
-    /// Hellos per second per Run identity, and the burst (SPEC §12: 1/s, burst 10).
-    #[arg(long, env = "PRISM_HELLO_RATE", default_value_t = 1,
-          value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    pub hello_rate: u32,
-    #[arg(long, env = "PRISM_HELLO_BURST", default_value_t = 10,
-          value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    pub hello_burst: u32,
-    /// Live registrations one Kubernetes identity may own (SPEC §12); 429 `quota_exceeded`.
-    #[arg(long, env = "PRISM_MAX_SESSIONS_PER_IDENTITY", default_value_t = 100,
-          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    pub max_sessions_per_identity: u32,
-    /// Live registrations per namespace (SPEC §12); 429 `quota_exceeded`.
-    #[arg(long, env = "PRISM_MAX_SESSIONS_PER_NAMESPACE", default_value_t = 10_000,
-          value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
-    pub max_sessions_per_namespace: u32,
     /// Released registrations' resources are deleted this many hours after their release.
     #[arg(long, env = "PRISM_RELEASED_RETENTION_HOURS", default_value_t = 24,
           value_parser = clap::value_parser!(u32).range(1..=87_600))]
@@ -362,18 +323,6 @@ pub struct RunArgs {
     /// Run controllers and the sweep only on the holder of a coordination.k8s.io Lease.
     #[arg(long, env = "PRISM_LEADER_ELECTION", default_value = "true", value_parser = parse_switch, action = clap::ArgAction::Set)]
     pub leader_election: bool,
-    /// PEM certificate chain of the API listener; with --tls-key-file the listener serves
-    /// TLS only. Both files are read again when they change (a mounted Secret).
-    #[arg(long, env = "PRISM_TLS_CERT_FILE")]
-    pub tls_cert_file: Option<PathBuf>,
-    /// PEM private key of that certificate (PKCS#8, PKCS#1 or SEC1).
-    #[arg(long, env = "PRISM_TLS_KEY_FILE")]
-    pub tls_key_file: Option<PathBuf>,
-    /// Connections the API listener keeps open at once; one more is closed at once (the
-    /// client retries, through a Service on another replica).
-    #[arg(long, env = "PRISM_MAX_CONNECTIONS", default_value_t = 4096,
-          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    pub max_connections: u32,
 }
 
 /// `true/false`, `on/off`, `1/0`, `yes/no`: what people write in Helm values and env.
@@ -395,6 +344,9 @@ pub enum ConfigError {
     Unpaired(&'static str, &'static str),
     #[error("{0}: {1}")]
     Unusable(&'static str, String),
+    /// A setting of the API's (prism-api reads them).
+    #[error(transparent)]
+    Api(#[from] SettingsError),
 }
 
 impl DatabaseArgs {
@@ -467,21 +419,7 @@ impl RunArgs {
         if !prefix_ok {
             return Err(ConfigError::Malformed("PRISM_REDIS_PREFIX", "use 1-64 characters of [A-Za-z0-9._-]".into()));
         }
-        self.audiences()?;
         Ok(())
-    }
-
-    /// PRISM_TOKEN_AUDIENCES, without empty entries; at least one.
-    pub fn audiences(&self) -> Result<Vec<String>, ConfigError> {
-        let audiences: Vec<String> =
-            self.token_audiences.iter().map(|a| a.trim().to_string()).filter(|a| !a.is_empty()).collect();
-        if audiences.is_empty() {
-            return Err(ConfigError::Malformed("PRISM_TOKEN_AUDIENCES", "name at least one audience".into()));
-        }
-        if let Some(bad) = audiences.iter().find(|a| a.len() > 256 || a.chars().any(char::is_control)) {
-            return Err(ConfigError::Malformed("PRISM_TOKEN_AUDIENCES", format!("{bad:?} is not an audience")));
-        }
-        Ok(audiences)
     }
 }
 
@@ -502,19 +440,15 @@ mod tests {
     fn defaults_follow_the_spec() {
         let a = run_args(&["--database-url", "postgres://a@b/c", "--redis-url", "redis://x"]).unwrap();
         assert_eq!(a.redis_prefix, "prism");
-        assert_eq!(a.listen.to_string(), "0.0.0.0:8080");
+        assert_eq!(a.api.listen.to_string(), "0.0.0.0:8080");
         assert_eq!(a.peer_stale_minutes, 10);
         assert_eq!(a.sweep_interval_seconds, 60);
         assert_eq!(a.run_lease_seconds, 30);
         assert!(a.leader_election);
         assert!(a.watch_namespace.is_none());
-        assert_eq!(a.mcp_allowed_hosts, ["localhost", "127.0.0.1", "::1"]);
-        assert!(a.mcp_session_key.is_none());
         assert_eq!(a.redis_mode, "standalone");
         assert_eq!(a.redis_endpoint(), Ok(RedisEndpoint::Standalone("redis://x".into())));
-        assert_eq!(a.audiences(), Ok(vec!["prism-operator".to_string()]));
-        assert_eq!((a.hello_rate, a.hello_burst), (1, 10));
-        assert_eq!((a.max_sessions_per_identity, a.max_sessions_per_namespace), (100, 10_000));
+        assert_eq!(a.api.token_audiences, ["prism-operator"]);
         assert_eq!((a.released_retention_hours, a.history_retention_days), (24, 30));
         assert!(!a.trust_owner_annotation);
         assert_eq!(a.validate(), Ok(()));
@@ -579,17 +513,6 @@ mod tests {
         assert!(run_args(&["--listen", "nonsense"]).is_err());
         assert!(run_args(&["--leader-election", "maybe"]).is_err());
         assert!(!run_args(&["--leader-election", "off"]).unwrap().leader_election);
-    }
-
-    #[test]
-    fn audiences_are_a_list_of_at_least_one() {
-        let mut a = run_args(&["--database-url", "postgres://a@b/c", "--redis-url", "redis://x"]).unwrap();
-        a.token_audiences = vec!["prism-operator".into(), " https://kubernetes.default.svc ".into()];
-        assert_eq!(a.audiences().unwrap(), ["prism-operator", "https://kubernetes.default.svc"]);
-        a.token_audiences = vec![" ".into()];
-        assert!(a.validate().unwrap_err().to_string().starts_with("PRISM_TOKEN_AUDIENCES is malformed"));
-        let parsed = run_args(&["--token-audiences", "a,b"]).unwrap();
-        assert_eq!(parsed.token_audiences, ["a", "b"]);
     }
 
     #[test]

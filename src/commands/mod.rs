@@ -5,5 +5,4 @@ pub mod credential;
 pub mod demo_run;
 pub mod jobs;
 pub mod run;
-pub mod settings;
 pub mod status;

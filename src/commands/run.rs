@@ -10,7 +10,6 @@ use tracing::{info, warn};
 
 use crate::agent_sessions::AgentService;
 use crate::api::{self, AppState};
-use crate::commands::settings::Settings;
 use crate::config::{RunArgs, redact_url};
 use crate::db;
 use crate::election::ElectionStore;
@@ -26,10 +25,13 @@ use crate::run_registry::jobs::{JobSettings, JobStore};
 use crate::run_registry::service::RunRegistry;
 use crate::signals::Signals;
 use crate::transport;
+use prism_api::settings::ApiSettings;
 
 /// `prism-operator run`, step by step.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let settings = Settings::read(&args)?;
+    // Everything checked before anything connects: the operator's settings, then the API's.
+    args.validate()?;
+    let settings = args.api.read()?;
     // Two pools: the HTTP API's, and the controllers' and background loops' (SPEC §12: a
     // flood of API calls cannot starve the election's reconciles, and /readyz does not
     // fail because the API pool is busy).
@@ -40,8 +42,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")?;
     let metrics = Arc::new(Metrics::default());
     let quotas = crate::election::Quotas {
-        per_owner: args.max_sessions_per_identity,
-        per_namespace: args.max_sessions_per_namespace,
+        per_owner: settings.max_sessions_per_identity,
+        per_namespace: settings.max_sessions_per_namespace,
     };
     // One for both registries; every replica listens (its API answers heartbeats and claims).
     let signals = Signals::default();
@@ -82,7 +84,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     let election = ElectionStore::with_quotas(api_pool.clone(), quotas);
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
-    let Settings { limits, allowed_hosts, session_key, tls } = settings;
+    let ApiSettings { limits, allowed_hosts, session_key, tls, audiences, listen, max_connections, .. } = settings;
     let mcp = mcp_config(allowed_hosts, session_key, &api_pool).await?;
     let limits = Arc::new(limits);
     spawn_limit_pruning(limits.clone());
@@ -99,7 +101,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     api::health::spawn(health.clone(), probes);
     let state = Arc::new(AppState {
         health,
-        auth: api::auth::Authorizer::new(kube.clone(), args.audiences()?, limits.clone()),
+        auth: api::auth::Authorizer::new(kube.clone(), audiences, limits.clone()),
         limits,
         agents: AgentService::new(kube.clone(), election, heartbeats, signals.clone()),
         kube,
@@ -114,7 +116,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         // Receivers live as long as the server and the leader loop; none left is fine.
         let _ = stop_tx.send(true);
     });
-    serve_api(&args, tls, state, stop_rx).await?;
+    serve_api(listen, max_connections, tls, state, stop_rx).await?;
     info!("HTTP API stopped: waiting claims answered, watches and MCP streams ended");
     let _ = lease_stop_tx.send(true);
     if let Some(leading) = leading {
@@ -250,19 +252,20 @@ fn spawn_subscription_pruning(subscriptions: McpStore) {
 /// Serves the HTTP API (TLS when configured, with the server limits of SPEC §12) until
 /// `stop` says so.
 async fn serve_api(
-    args: &RunArgs,
+    listen: std::net::SocketAddr,
+    max_connections: usize,
     tls: Option<transport::CertFiles>,
     state: Arc<AppState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let limits = transport::Limits::spec(args.max_connections as usize);
-    let listener = tokio::net::TcpListener::bind(args.listen)
+    let limits = transport::Limits::spec(max_connections);
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .with_context(|| format!("cannot listen on {} (PRISM_LISTEN)", args.listen))?;
-    if let Some(warning) = transport::plain_http_warning(args.listen, tls.is_some()) {
+        .with_context(|| format!("cannot listen on {listen} (PRISM_LISTEN)"))?;
+    if let Some(warning) = transport::plain_http_warning(listen, tls.is_some()) {
         warn!("{warning}");
     }
-    info!(listen = %args.listen, tls = tls.is_some(), max_connections = limits.max_connections, "HTTP API serving");
+    info!(%listen, tls = tls.is_some(), max_connections = limits.max_connections, "HTTP API serving");
     let shutdown = async move {
         let _ = stop.wait_for(|stop| *stop).await;
     };

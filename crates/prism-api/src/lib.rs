@@ -26,6 +26,8 @@ pub mod agent_sessions;
 // The listener (TLS, server limits) and the client a Run uses to speak this API.
 pub mod run_client;
 pub mod transport;
+// The API's own flags and environment variables, read into the types they configure.
+pub mod settings;
 // The metrics this process exposes (and the reconcilers record into).
 pub mod metrics;
 // Fail points for the tests (the `failpoints` feature).
