@@ -185,7 +185,7 @@ fn start_leader_work(
         client: kube.clone(),
         election: election.clone(),
         registry: registry.clone(),
-        recorder: reconcilers::recorder(kube.clone()),
+        events: reconcilers::EventPublisher::of_this_pod(kube.clone()),
         stale_after: chrono::Duration::minutes(i64::from(args.peer_stale_minutes)),
         metrics: metrics.clone(),
         reconcile_concurrency: args.reconcile_concurrency,

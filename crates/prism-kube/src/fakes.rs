@@ -555,7 +555,7 @@ pub fn context(
 ) -> (Arc<Context<FakeElection, FakeRuns>>, Arc<CountedMetrics>) {
     let metrics = Arc::new(CountedMetrics::default());
     let ctx = Context {
-        recorder: crate::reconcilers::recorder(client.clone()),
+        events: crate::reconcilers::EventPublisher::new(client.clone(), None),
         client,
         election: FakeElection::default(),
         registry: FakeRuns::default(),

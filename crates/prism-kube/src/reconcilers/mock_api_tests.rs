@@ -16,8 +16,10 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::client::Body;
 use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
 use kube::runtime::finalizer::Event as Finalizer;
 use kube::{Api, Client, ResourceExt};
 use serde_json::{Value, json};
@@ -25,7 +27,7 @@ use tower_test::mock::{Handle, SendResponse};
 
 use super::registration::{add_finalizer_with_label, ensure_label};
 use super::status::{Written, write_status};
-use super::{ControllerError, FIELD_MANAGER, finalized, recorder};
+use super::{ControllerError, EventPublisher, FIELD_MANAGER, finalized};
 use crate::crd::{
     AgentSurface, ControllerRegistration, ControllerRegistrationSpec, ControllerRegistrationStatus, PROJECT_LABEL,
     REGISTRATION_FINALIZER, Role, RunCredential, RunPhase, RunSession, RunSessionSpec, RunSessionStatus,
@@ -437,9 +439,9 @@ async fn no_status_write_and_no_event_when_nothing_worth_it_changed() {
         |server| async move { server },
         |client| async {
             let api = Api::namespaced(client.clone(), "ns");
-            let recorder = recorder(client);
-            write_status(&api, &recorder, &written, &obj, &before, &before).await.expect("same status");
-            write_status(&api, &recorder, &written, &obj, &before, &after)
+            let events = EventPublisher::new(client, None);
+            write_status(&api, &events, &written, &obj, &before, &before).await.expect("same status");
+            write_status(&api, &events, &written, &obj, &before, &after)
                 .await
                 .expect("100 s of heartbeat, under the 120 s status heartbeat");
         },
@@ -473,13 +475,16 @@ async fn a_new_role_is_applied_server_side_remembered_and_announced_once() {
                 (&json!("Normal"), &json!("BecameMaster"), &json!("Elect"), &json!("became master in term 3"))
             );
             assert_eq!(sent.body["regarding"]["name"], "r");
+            assert_eq!(sent.body["reportingInstance"], FIELD_MANAGER, "no pod name: the controller's");
             let body = sent.body.clone();
             sent.answer(201, &body);
             server
         },
         |client| async {
             let api = Api::namespaced(client.clone(), "ns");
-            write_status(&api, &recorder(client), &written, &obj, &before, &after).await.expect("written");
+            write_status(&api, &EventPublisher::new(client, None), &written, &obj, &before, &after)
+                .await
+                .expect("written");
         },
     )
     .await;
@@ -497,7 +502,15 @@ async fn a_failed_status_write_is_neither_remembered_nor_announced() {
         },
         |client| async {
             let api = Api::namespaced(client.clone(), "ns");
-            write_status(&api, &recorder(client), &written, &obj, &Default::default(), &master_status(0)).await
+            write_status(
+                &api,
+                &EventPublisher::new(client, None),
+                &written,
+                &obj,
+                &Default::default(),
+                &master_status(0),
+            )
+            .await
         },
     )
     .await;
@@ -574,13 +587,86 @@ async fn runsession_status_uses_the_same_writer_and_its_own_events() {
         },
         |client| async {
             let api = Api::namespaced(client.clone(), "ns");
-            let recorder = recorder(client);
-            write_status(&api, &recorder, &written, &obj, &pending, &first).await.expect("online");
-            write_status(&api, &recorder, &written, &obj, &first, &later).await.expect("100 s: no write");
-            write_status(&api, &recorder, &written, &obj, &first, &much_later).await.expect("120 s: a write");
+            let events = EventPublisher::new(client, None);
+            write_status(&api, &events, &written, &obj, &pending, &first).await.expect("online");
+            write_status(&api, &events, &written, &obj, &first, &later).await.expect("100 s: no write");
+            write_status(&api, &events, &written, &obj, &first, &much_later).await.expect("120 s: a write");
         },
     )
     .await;
     let remembered: Option<Time> = written.previous(obj.uid().as_deref(), None).and_then(|s| s.last_heartbeat);
     assert_eq!(remembered, online(120).last_heartbeat);
+}
+
+/// Every Event is one create with all its fields, a repeat included: nothing of an Event
+/// is kept to turn the next one into a patch (kube's Recorder kept each for 6 minutes
+/// and would PATCH a `series` here), and a failed create changes nothing for the next.
+#[tokio::test]
+async fn events_are_created_whole_each_time_and_nothing_is_kept() {
+    let obj = registration("1");
+    let started = Timestamp::now();
+    let expected = json!({
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"namespace": "ns"},
+        "action": "Elect",
+        "reason": "Preempted",
+        "note": "preempted by desktop registration d",
+        "type": "Warning",
+        "reportingController": FIELD_MANAGER,
+        "reportingInstance": "pod-1",
+        "regarding": {
+            "apiVersion": "prism.ntecdev.ai/v1alpha1",
+            "kind": "ControllerRegistration",
+            "namespace": "ns",
+            "name": "r",
+            "uid": "0b8f9e3c-5d7a-4c1e-9a51-3f0e2d6b7a10",
+        },
+    });
+    against(
+        |mut server| async move {
+            let mut names = Vec::new();
+            for n in 0..3 {
+                let sent = next(&mut server).await;
+                assert!(sent.is("POST", EVENTS), "Event {n}: {} {}", sent.method, sent.path);
+                assert_eq!(sent.content_type, "application/json");
+                let mut body = sent.body.clone();
+                let meta = body["metadata"].as_object_mut().expect("metadata");
+                let name = meta.remove("name").and_then(|v| v.as_str().map(String::from)).expect("a name");
+                let (object, nanos) = name.split_once('.').expect("<object>.<hex nanos>");
+                assert_eq!(object, "r");
+                let nanos = i128::from_str_radix(nanos, 16).expect("hex");
+                let at = body.as_object_mut().and_then(|b| b.remove("eventTime")).expect("eventTime");
+                let at: Timestamp = at.as_str().expect("a time").parse().expect("RFC 3339");
+                assert!(at >= started.checked_sub(SignedDuration::from_secs(1)).expect("time"), "{at} is now");
+                assert!(at <= Timestamp::now(), "{at} is now");
+                assert!(
+                    (nanos / 1000 - i128::from(at.as_microsecond())).abs() <= 1,
+                    "the name's instant is eventTime's"
+                );
+                assert_eq!(body, expected, "Event {n}: these fields and no others (no series)");
+                names.push(name);
+                if n == 1 {
+                    sent.fail(500, "InternalError");
+                } else {
+                    let answer = sent.body.clone();
+                    sent.answer(201, &answer);
+                }
+            }
+            let mut unique = names.clone();
+            unique.sort();
+            unique.dedup();
+            assert_eq!(unique.len(), 3, "a name per Event: {names:?}");
+            server
+        },
+        |client| async {
+            let events = EventPublisher::new(client, Some("pod-1".into()));
+            for _ in 0..3 {
+                let event = (EventType::Warning, "Preempted", "preempted by desktop registration d".to_string());
+                // A failure is only logged: publish has nothing to return.
+                let () = events.publish(&obj, event, "Elect").await;
+            }
+        },
+    )
+    .await;
 }

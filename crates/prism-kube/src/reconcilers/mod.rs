@@ -5,6 +5,7 @@
 //! (and `status::ObservedStatus` for the status writer).
 
 pub mod backoff;
+pub mod events;
 pub mod registration;
 pub mod run_session;
 pub mod status;
@@ -21,7 +22,6 @@ use std::time::Duration;
 use futures::StreamExt;
 use kube::core::object::HasStatus;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::finalizer::{self, Event as Finalizer, finalizer};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{PredicateConfig, WatchStreamExt, watcher};
@@ -33,6 +33,7 @@ use tracing::{debug, info, instrument, warn};
 use crate::crd::{ControllerRegistration, RunSession};
 use crate::time::to_k8s;
 pub use backoff::Failures;
+pub use events::EventPublisher;
 use prism_core::store::{Elections, Runs};
 pub use status::Written;
 
@@ -94,7 +95,8 @@ pub struct Context<E, R> {
     pub client: Client,
     pub election: E,
     pub registry: R,
-    pub recorder: Recorder,
+    /// Publishes the Events of changes (no cache: see `events`).
+    pub events: EventPublisher,
     pub stale_after: chrono::Duration,
     /// PRISM_STATUS_HEARTBEAT_SECONDS: the period of live registrations' reconciles.
     pub status_heartbeat: std::time::Duration,
@@ -223,11 +225,6 @@ where
 /// The object a retry count belongs to.
 fn retry_key<K: Resource<DynamicType = ()>>(obj: &K) -> String {
     format!("{}/{}/{}", K::kind(&()), obj.namespace().unwrap_or_default(), obj.name_any())
-}
-
-pub fn recorder(client: Client) -> Recorder {
-    let instance = std::env::var("POD_NAME").ok();
-    Recorder::new(client, Reporter { controller: FIELD_MANAGER.into(), instance })
 }
 
 /// A status condition that keeps its lastTransitionTime while its status does not change.

@@ -17,7 +17,7 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
-use super::status::{ObservedStatus, StatusEvent, publish, write_status};
+use super::status::{ObservedStatus, StatusEvent, write_status};
 use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{
     ControllerRegistration, ControllerRegistrationStatus, OWNER_ANNOTATION, PROJECT_LABEL, REGISTERED_BY_ANNOTATION,
@@ -268,7 +268,7 @@ async fn apply<E: Elections, R: Runs>(
         Found::Duplicate(existing) => duplicate_status(existing, generation, &previous, now),
         Found::Unused { reason, message } => unused_status(reason, message, generation, &previous, now),
     };
-    write_status(api, &ctx.recorder, &ctx.written_registrations, obj, &previous, &next).await?;
+    write_status(api, &ctx.events, &ctx.written_registrations, obj, &previous, &next).await?;
 
     Ok(match next.role {
         // Live registrations come back to refresh lastHeartbeat and the Stale condition.
@@ -308,7 +308,7 @@ async fn cleanup<E: Elections, R: Runs>(
     if was_live {
         info!("registration wrapped");
         let event = (EventType::Normal, "Released", "released: wrapped (resource deleted)".to_string());
-        publish(&ctx.recorder, obj, event, ControllerRegistrationStatus::EVENT_ACTION).await;
+        ctx.events.publish(obj, event, ControllerRegistrationStatus::EVENT_ACTION).await;
     }
     Ok(Action::await_change())
 }

@@ -145,7 +145,7 @@ async fn apply<E: Elections, R: Runs>(
             (status_of(view, &previous, generation, now), requeue)
         }
     };
-    write_status(api, &ctx.recorder, &ctx.written_runsessions, obj, &previous, &next).await?;
+    write_status(api, &ctx.events, &ctx.written_runsessions, obj, &previous, &next).await?;
     Ok(Action::requeue(requeue))
 }
 

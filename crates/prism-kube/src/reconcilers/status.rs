@@ -3,28 +3,28 @@
 //! remember what we wrote, and record an Event when the role or phase changed. What
 //! differs between the kinds is `ObservedStatus`.
 
-use std::collections::HashMap;
 use std::fmt::Debug;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::core::object::HasStatus;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
+use moka::policy::EvictionPolicy;
+use moka::sync::Cache;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
-use tracing::warn;
 
 use super::FIELD_MANAGER;
+use super::events::EventPublisher;
 
 /// An Event to record: its type, reason and note.
 pub type StatusEvent = (EventType, &'static str, String);
 
 /// What the status writer needs to know of a kind's status.
-pub trait ObservedStatus: Clone + PartialEq + Default + Serialize {
+pub trait ObservedStatus: Clone + PartialEq + Default + Serialize + Send + Sync + 'static {
     /// The `action` of this kind's Events.
     const EVENT_ACTION: &'static str;
 
@@ -54,7 +54,7 @@ pub fn needs_write<S: ObservedStatus>(previous: &S, next: &S, heartbeat_every: D
 /// against (`Written::previous`).
 pub async fn write_status<K>(
     api: &Api<K>,
-    recorder: &Recorder,
+    events: &EventPublisher,
     written: &Written<K::Status>,
     obj: &K,
     previous: &K::Status,
@@ -69,66 +69,60 @@ where
         written.wrote(obj.uid().as_deref(), next.clone());
     }
     for event in K::Status::events(previous, next) {
-        publish(recorder, obj, event, K::Status::EVENT_ACTION).await;
+        events.publish(obj, event, K::Status::EVENT_ACTION).await;
     }
     Ok(())
-}
-
-/// Records an Event on `obj`; a failure is logged: an Event never fails a reconcile.
-pub async fn publish<K: Resource<DynamicType = ()>>(
-    recorder: &Recorder,
-    obj: &K,
-    (type_, reason, note): StatusEvent,
-    action: &str,
-) {
-    let event = Event { type_, reason: reason.into(), note: Some(note), action: action.into(), secondary: None };
-    if let Err(e) = recorder.publish(&event, &obj.object_ref(&())).await {
-        warn!(reason, error = %e, "could not record an Event");
-    }
 }
 
 /// How long a status this replica wrote is preferred over the watch cache's copy.
 const WRITTEN_TTL: Duration = Duration::from_secs(10);
 
+/// The most statuses of one kind remembered at once: all that this replica writes in
+/// `WRITTEN_TTL`, even 30,000 objects written in one burst. Past it the least recently
+/// used go first (a reconcile of such an object compares with the watch cache's copy,
+/// as after `WRITTEN_TTL`).
+const WRITTEN_CAPACITY: u64 = 65_536;
+
 /// The statuses this leader wrote in the last few seconds, by resource uid. The watch
 /// cache lags our own writes: a reconcile that comes sooner (an election trigger)
 /// would compare against the older status, write the same status again and repeat its
 /// Event. After `WRITTEN_TTL` the cache is trusted again, so a status changed by
-/// someone else is still corrected at the next reconcile.
+/// someone else is still corrected at the next reconcile. A bounded moka cache: expiry
+/// and eviction cost O(1) per write, where a map pruned by a scan cost O(n) per insert.
 pub struct Written<S> {
-    entries: Mutex<HashMap<String, (Instant, S)>>,
+    entries: Cache<String, S>,
     /// A status whose only change is `lastHeartbeat` is written once it moved this much
     /// (PRISM_STATUS_HEARTBEAT_SECONDS): the API server's steady write load.
     pub heartbeat_every: Duration,
 }
 
-impl<S: Clone> Written<S> {
+impl<S: Clone + Send + Sync + 'static> Written<S> {
     pub fn new(heartbeat_every: Duration) -> Self {
-        Self { entries: Default::default(), heartbeat_every }
+        Self::bounded(heartbeat_every, WRITTEN_TTL, WRITTEN_CAPACITY)
+    }
+
+    fn bounded(heartbeat_every: Duration, ttl: Duration, capacity: u64) -> Self {
+        // LRU: the status written last is the one a lagging reconcile is about to need;
+        // TinyLFU's admission could turn a new uid away in a burst of new objects.
+        let entries =
+            Cache::builder().max_capacity(capacity).time_to_live(ttl).eviction_policy(EvictionPolicy::lru()).build();
+        Self { entries, heartbeat_every }
     }
 
     /// The status to compare against: ours if we wrote one lately, else the cached one.
     pub fn previous(&self, uid: Option<&str>, cached: Option<&S>) -> Option<S> {
-        let ours = uid.and_then(|uid| {
-            let entries = self.entries.lock().ok()?;
-            entries.get(uid).filter(|(at, _)| at.elapsed() < WRITTEN_TTL).map(|(_, s)| s.clone())
-        });
-        ours.or_else(|| cached.cloned())
+        uid.and_then(|uid| self.entries.get(uid)).or_else(|| cached.cloned())
     }
 
     pub fn wrote(&self, uid: Option<&str>, status: S) {
-        let (Some(uid), Ok(mut entries)) = (uid, self.entries.lock()) else { return };
-        if entries.len() >= 1024 {
-            entries.retain(|_, (at, _)| at.elapsed() < WRITTEN_TTL);
+        if let Some(uid) = uid {
+            self.entries.insert(uid.to_string(), status);
         }
-        entries.insert(uid.to_string(), (Instant::now(), status));
     }
 
     /// Forgets everything: another leader may have written since.
     pub fn clear(&self) {
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.clear();
-        }
+        self.entries.invalidate_all();
     }
 }
 
@@ -146,5 +140,30 @@ mod tests {
         assert_eq!(written.previous(None, None), None);
         written.clear();
         assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "a new term trusts the cache");
+    }
+
+    #[test]
+    fn what_we_wrote_is_trusted_only_for_the_ttl() {
+        let written: Written<&str> = Written::bounded(Duration::from_secs(120), Duration::from_millis(200), 16);
+        written.wrote(Some("uid-1"), "ours");
+        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("ours"));
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(written.previous(Some("uid-1"), Some(&"cached")), Some("cached"), "expired: the cache again");
+        written.entries.run_pending_tasks();
+        assert_eq!(written.entries.entry_count(), 0, "and it is gone, not just hidden");
+        written.wrote(Some("uid-1"), "newer");
+        assert_eq!(written.previous(Some("uid-1"), None), Some("newer"), "a new write counts from its own time");
+    }
+
+    #[test]
+    fn bounded_and_the_latest_write_is_kept() {
+        let written: Written<u32> = Written::bounded(Duration::from_secs(120), WRITTEN_TTL, 8);
+        for n in 0..100 {
+            written.wrote(Some(&format!("uid-{n}")), n);
+        }
+        written.entries.run_pending_tasks();
+        assert!(written.entries.entry_count() <= 8, "{} entries", written.entries.entry_count());
+        assert_eq!(written.previous(Some("uid-99"), None), Some(99), "the newest survives the bound");
+        assert_eq!(written.previous(Some("uid-0"), Some(&7)), Some(7), "the oldest made room");
     }
 }
