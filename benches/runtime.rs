@@ -136,7 +136,7 @@ async fn main() {
     let store = SessionStore::new(&RedisEndpoint::Standalone(redis.url.clone()), &prefix).expect("redis");
     let raw = redis::Client::open(redis.url.as_str()).expect("redis");
     let conn = raw.get_multiplexed_async_connection().await.expect("connect");
-    let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);
+    let script = common::raw::frozen_heartbeat_script();
     let keys: Arc<Vec<(String, String, String, String)>> = Arc::new(common::raw::heartbeat_keys(&store, &hb_runs));
     let pg_before = settled(&db, &raw_db).await;
     let sides = interleave(2, rounds(), |side, _| match side {

@@ -584,7 +584,7 @@ async fn heartbeats_per_core(
         .get_multiplexed_async_connection()
         .await
         .expect("connect");
-    let script = redis::Script::new(prism_operator::run_registry::sessions::CHECK);
+    let script = common::raw::frozen_heartbeat_script();
     let keys: Arc<Vec<(String, String, String, String)>> = Arc::new(common::raw::heartbeat_keys(&store, &window_runs));
     let sides = interleave(2, r, |side, _| {
         let (runs, conn, script, keys, counters, served) =

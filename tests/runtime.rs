@@ -71,10 +71,24 @@ async fn hello_heartbeat_supersede_and_online_status() {
     support::metric_line(&w.op, "prism_runtime_runs_online 1").await;
     support::metric_line(&w.op, "prism_dependency_up{dependency=\"redis\"} 1").await;
 
-    // Heartbeat renews the lease and stores the snapshot.
+    // Heartbeat renews the lease and stores the snapshot; the same snapshot again keeps
+    // it (the script writes only what changed), and the last heartbeat is the renewal's.
     run.capacity.insert("slots".into(), 2);
     let beat = run.heartbeat().await.expect("heartbeat");
     assert!(beat["lease_ttl_seconds"].as_u64().is_some_and(|s| s > 25), "{beat}");
+    let token = w.enqueue_token().await;
+    let url = w.op.url("/api/v1/runtime/servers/srv-1/status");
+    let view = support::get_json(&url, &token).await;
+    assert_eq!(view["components"][0]["capacity"]["slots"], 2, "{view}");
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    run.heartbeat().await.expect("the same snapshot again");
+    let view = support::get_json(&url, &token).await;
+    let c = &view["components"][0];
+    assert_eq!((&c["capacity"]["slots"], &c["capabilities"][0]), (&json!(2), &json!("lifecycle")), "{view}");
+    let beat_at: chrono::DateTime<chrono::Utc> =
+        c["last_heartbeat"].as_str().and_then(|t| t.parse().ok()).expect("time");
+    let ago = (chrono::Utc::now() - beat_at).num_milliseconds();
+    assert!((-1000..2000).contains(&ago), "the last heartbeat was {ago} ms ago, not the renewal's: {view}");
 
     // A second hello rotates the token: the first stops authorizing at once.
     let first = run.token.clone().expect("token");

@@ -67,7 +67,7 @@ fn session_token(headers: &HeaderMap) -> Result<&str, ApiError> {
 
 async fn authenticated(state: &AppState, headers: &HeaderMap) -> Result<(RunAddress, Session), ApiError> {
     let token = session_token(headers)?;
-    match state.registry.session(token, None).await? {
+    match state.registry.session(token).await? {
         Ok(s) => {
             super::record_caller(&format_args!("run:{}", s.0));
             Ok(s)
@@ -195,14 +195,14 @@ pub async fn heartbeat(
         b.check()?;
     }
     let (caps, cap, draining) = body.map(|b| (b.capabilities, b.capacity, b.draining)).unwrap_or_default();
-    let renewal = Renewal { now: Utc::now(), capabilities: caps.as_deref(), capacity: cap.as_ref(), draining };
-    match state.registry.renew(token, Some(renewal)).await? {
-        Ok(Renewed { address, session, drain_changed }) => {
-            if drain_changed {
+    let renewal = Renewal { capabilities: caps.as_deref(), capacity: cap.as_ref(), draining };
+    match state.registry.renew(token, renewal).await? {
+        Ok(Renewed { address, lease }) => {
+            if lease.drain_changed {
                 drain_changed_announce(&state, &address).await;
             }
-            let lease = (session.lease_left.as_millis() as u64).div_ceil(1000);
-            let cancel = state.registry.cancel_requested(&address, &session).await?;
+            let cancel = state.registry.cancel_requested(&address, &lease).await?;
+            let lease = (lease.lease_left.as_millis() as u64).div_ceil(1000);
             Ok(Json(RunHeartbeatReply {
                 lease_ttl_seconds: lease,
                 heartbeat_interval_seconds: u64::from(heartbeat_interval(u32::try_from(lease).unwrap_or(u32::MAX))),

@@ -19,7 +19,9 @@ use super::jobs::{
     Cancel, Cursor, Eligibility, Enqueued, Job, JobCensus, JobFilter, JobStore, NewJob, Reaped, Step, StepRefused,
 };
 use super::proof;
-use super::sessions::{Fenced, HelloOutcome, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck};
+use super::sessions::{
+    Fenced, HelloOutcome, Lease, NewSession, Renewal, RunAddress, Session, SessionStore, TokenCheck,
+};
 use crate::signals::Signals;
 use prism_core::run::RunTarget;
 
@@ -295,7 +297,7 @@ pub fn token_address(token: &str) -> Option<RunAddress> {
 
 /// Only this hash is stored.
 pub fn token_hash(token: &str) -> String {
-    Sha256::digest(token.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(Sha256::digest(token.as_bytes()))
 }
 
 /// What Runs do, as one service over the three stores: hello, heartbeat, claim, steps;
@@ -497,29 +499,33 @@ impl RunRegistry {
         Ok(Ok((identity, granted)))
     }
 
-    /// Checks a session token (renewing the lease when `renew` is given).
+    /// Checks a session token: its address and whole session while it is valid.
     #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
-    pub async fn session(
-        &self,
-        token: &str,
-        renew: Option<Renewal<'_>>,
-    ) -> Result<Result<(RunAddress, Session), SessionRefused>, RegistryError> {
-        Ok(self.renew(token, renew).await?.map(|renewed| (renewed.address, renewed.session)))
+    pub async fn session(&self, token: &str) -> Result<Result<(RunAddress, Session), SessionRefused>, RegistryError> {
+        let Some(address) = token_address(token) else {
+            return Ok(Err(SessionRefused::InvalidToken));
+        };
+        Ok(match self.sessions.check(&address, &token_hash(token)).await? {
+            TokenCheck::Valid(session) => Ok((address, session)),
+            TokenCheck::Superseded => Err(SessionRefused::Superseded),
+            TokenCheck::Expired => Err(SessionRefused::Expired),
+        })
     }
 
-    /// Checks a session token, as `session` does, and says whether a renewal changed the
-    /// session's `draining` (the heartbeat then has the RunSession's status refreshed).
+    /// A heartbeat: checks the token, keeps the snapshot and renews the lease; says
+    /// whether it changed the session's `draining` (the heartbeat then has the
+    /// RunSession's status refreshed).
     #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
     pub async fn renew(
         &self,
         token: &str,
-        renew: Option<Renewal<'_>>,
+        renewal: Renewal<'_>,
     ) -> Result<Result<Renewed, SessionRefused>, RegistryError> {
         let Some(address) = token_address(token) else {
             return Ok(Err(SessionRefused::InvalidToken));
         };
-        Ok(match self.sessions.check(&address, &token_hash(token), renew).await? {
-            TokenCheck::Valid { session, drain_changed } => Ok(Renewed { address, session, drain_changed }),
+        Ok(match self.sessions.renew(&address, &token_hash(token), renewal).await? {
+            TokenCheck::Valid(lease) => Ok(Renewed { address, lease }),
             TokenCheck::Superseded => Err(SessionRefused::Superseded),
             TokenCheck::Expired => Err(SessionRefused::Expired),
         })
@@ -607,7 +613,7 @@ impl RunRegistry {
                 _ = tokio::time::sleep_until(until) => return Ok(Ok(claim)),
                 _ = &mut stop => return Ok(Ok(claim)),
             }
-            session = match self.session(token, None).await? {
+            session = match self.session(token).await? {
                 Ok((_, session)) => session,
                 Err(refused) => return Ok(Err(refused)),
             };
@@ -618,12 +624,12 @@ impl RunRegistry {
     /// answer). A session that no longer acts for its identity holds none. Postgres is
     /// read only when a cancel may be pending for the address (`Signals`).
     #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
-    pub async fn cancel_requested(&self, address: &RunAddress, session: &Session) -> Result<Vec<Uuid>, RegistryError> {
+    pub async fn cancel_requested(&self, address: &RunAddress, lease: &Lease) -> Result<Vec<Uuid>, RegistryError> {
         if !self.signals.may_have_cancel(address) {
             return Ok(vec![]);
         }
-        match self.acting_namespace(address, session).await? {
-            Some(namespace) => self.jobs.cancel_requested(&namespace, address).await,
+        match self.identities.current(address, lease.epoch).await? {
+            Some(acting) => self.jobs.cancel_requested(&acting.namespace, address).await,
             None => Ok(vec![]),
         }
     }
@@ -671,13 +677,11 @@ pub struct Claim {
     pub cancel: Vec<Uuid>,
 }
 
-/// A checked (maybe renewed) session.
+/// A renewed session: its address and lease.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Renewed {
     pub address: RunAddress,
-    pub session: Session,
-    /// This renewal changed the session's `draining`.
-    pub drain_changed: bool,
+    pub lease: Lease,
 }
 
 /// Whether a session's claims hand out no new job (SPEC §5.1, Drain): its identity is

@@ -61,21 +61,27 @@ impl RedisEndpoint {
 // A Run's address and session are the domain's.
 pub use prism_core::run::{Fenced, REVOKED_EPOCH_TTL, RunAddress, Session};
 
-/// What a token is worth right now.
-// The answer of one check, moved once and never stored: not worth a box per heartbeat.
-#[allow(clippy::large_enum_variant)]
+/// What a token is worth right now: `T` is what a valid one gives (the whole `Session`
+/// to a check, the renewed `Lease` to a heartbeat).
 #[derive(Clone, Debug, PartialEq)]
-pub enum TokenCheck {
-    Valid {
-        session: Session,
-        /// The renewal changed `draining` (always false without a renewal).
-        drain_changed: bool,
-    },
+pub enum TokenCheck<T> {
+    Valid(T),
     /// A newer hello replaced this token, or the identity's key was rotated or the
     /// identity deleted since (its session is ended by the check itself).
     Superseded,
     /// No live session for this address (lease expired, or Redis lost it).
     Expired,
+}
+
+/// What a heartbeat's renewal leaves: all its reply and its cancels need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// The identity epoch the session was opened in (0: a session of a build before epochs).
+    pub epoch: i64,
+    /// The lease, renewed in full.
+    pub lease_left: Duration,
+    /// This renewal changed the session's `draining`.
+    pub drain_changed: bool,
 }
 
 /// A fresh session to write at hello.
@@ -93,10 +99,9 @@ pub struct NewSession<'a> {
     pub capacity: &'a BTreeMap<String, i64>,
 }
 
-/// A heartbeat's renewal: when, and the snapshot it carries (absent parts are kept).
-#[derive(Clone, Copy, Debug)]
+/// A heartbeat's renewal: the snapshot it carries (absent parts are kept).
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Renewal<'a> {
-    pub now: DateTime<Utc>,
     pub capabilities: Option<&'a [String]>,
     pub capacity: Option<&'a BTreeMap<String, i64>>,
     /// Whether the Run is draining (absent: as it was).
@@ -143,13 +148,10 @@ if old then return 'rotated' end
 return 'started'
 "#;
 
-// KEYS: session, retired, identity. ARGV: token_hash, renew ("1"/"0"), now_ms,
-// capabilities or "", capacity or "", draining ("1"/"0", or ""/absent: as it was).
-// Returns the session fields (plus `drain_changed` = 1 when the renewal changed
-// `draining`), or a status word. A session of another epoch than the address's current
-// one is ended here ('revoked').
-/// Public for the benchmark, which runs this same script straight against Redis.
-pub const CHECK: &str = r#"
+// KEYS: session, retired, identity. ARGV: token_hash. Returns the session fields plus
+// its TTL, or a status word. A session of another epoch than the address's current one
+// is ended here ('revoked'). Claims and steps: they read the whole session.
+const CHECK: &str = r#"
 local cur = redis.call('HGET', KEYS[1], 'token_hash')
 if cur ~= ARGV[1] then
   if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 'superseded' end
@@ -159,26 +161,44 @@ if redis.call('HGET', KEYS[1], 'epoch') ~= redis.call('GET', KEYS[3]) then
   redis.call('DEL', KEYS[1])
   return 'revoked'
 end
-local drain_changed = false
-if ARGV[2] == '1' then
-  redis.call('HSET', KEYS[1], 'last_heartbeat_ms', ARGV[3])
-  if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'capabilities', ARGV[4]) end
-  if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'capacity', ARGV[5]) end
-  local draining = ARGV[6] or ''
-  if draining ~= '' and (redis.call('HGET', KEYS[1], 'draining') or '0') ~= draining then
-    redis.call('HSET', KEYS[1], 'draining', draining)
-    drain_changed = true
-  end
-  redis.call('PEXPIRE', KEYS[1], redis.call('HGET', KEYS[1], 'lease_ms'))
-end
 local fields = redis.call('HGETALL', KEYS[1])
 table.insert(fields, 'ttl_ms')
 table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
-if drain_changed then
-  table.insert(fields, 'drain_changed')
-  table.insert(fields, '1')
-end
 return fields
+"#;
+
+// KEYS: session, retired, identity. ARGV: token_hash, capabilities or "", capacity or "",
+// draining ("1"/"0", or "": as it was). The heartbeat: check the token and the epoch as
+// CHECK does, store what the snapshot changed, renew the lease, and return only what the
+// reply needs: {epoch, lease_ms, drain_changed (1/0)}, or a status word. Four commands
+// in the steady case (EVALSHA, HMGET, GET, PEXPIRE): one read of the hash, a write only
+// when the Run's snapshot changed, and no `last_heartbeat_ms` write: the lease is renewed
+// to `lease_ms`, so the last heartbeat is when the TTL was last full (`SessionFields`).
+const RENEW: &str = r#"
+local s = redis.call('HMGET', KEYS[1], 'token_hash', 'epoch', 'lease_ms', 'draining', 'capabilities', 'capacity')
+if s[1] ~= ARGV[1] then
+  if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 'superseded' end
+  return 'expired'
+end
+if s[2] ~= redis.call('GET', KEYS[3]) then
+  redis.call('DEL', KEYS[1])
+  return 'revoked'
+end
+local set = {}
+if ARGV[2] ~= '' and ARGV[2] ~= s[5] then
+  table.insert(set, 'capabilities'); table.insert(set, ARGV[2])
+end
+if ARGV[3] ~= '' and ARGV[3] ~= s[6] then
+  table.insert(set, 'capacity'); table.insert(set, ARGV[3])
+end
+local drain_changed = 0
+if ARGV[4] ~= '' and (s[4] or '0') ~= ARGV[4] then
+  table.insert(set, 'draining'); table.insert(set, ARGV[4])
+  drain_changed = 1
+end
+if #set > 0 then redis.call('HSET', KEYS[1], unpack(set)) end
+redis.call('PEXPIRE', KEYS[1], s[3])
+return {s[2] or '', s[3], drain_changed}
 "#;
 
 // KEYS: session. Returns the session fields plus its TTL, or nothing.
@@ -537,6 +557,7 @@ pub struct SessionStore {
     prefix: String,
     hello: Script,
     check: Script,
+    renew: Script,
     read: Script,
     fence: Script,
 }
@@ -584,6 +605,14 @@ impl SessionFields {
         }
     }
 
+    /// When the lease was last renewed: every renewal sets the TTL to `lease_ms`, so it
+    /// is `lease_ms - ttl_ms` ago (no heartbeat writes its time: one command less per
+    /// beat). Read against this replica's clock, as the TTL is.
+    fn last_heartbeat(&self) -> Result<DateTime<Utc>, RegistryError> {
+        let since = (self.number("lease_ms")? - self.number("ttl_ms")?).max(0);
+        Ok(Utc::now() - chrono::Duration::milliseconds(since))
+    }
+
     fn session(&self) -> Result<Session, RegistryError> {
         Ok(Session {
             session_id: Uuid::parse_str(self.text("session_id")).map_err(|_| self.corrupt("session_id"))?,
@@ -593,7 +622,7 @@ impl SessionFields {
                 _ => self.number("epoch")?,
             },
             started_at: self.millis("started_at_ms")?,
-            last_heartbeat: self.millis("last_heartbeat_ms")?,
+            last_heartbeat: self.last_heartbeat()?,
             version: Some(self.text("version")).filter(|v| !v.is_empty()).map(str::to_string),
             target: self.json("target")?,
             capabilities: self.json("capabilities")?,
@@ -606,6 +635,16 @@ impl SessionFields {
             },
             lease_left: Duration::from_millis(self.number("ttl_ms")?.max(0) as u64),
         })
+    }
+}
+
+/// Why a check or renewal refused a token: the word its script returned.
+fn refused<T>(a: &RunAddress, out: &Value, script: &'static str) -> Result<TokenCheck<T>, RegistryError> {
+    let word: String = redis::from_redis_value_ref(out).map_err(RedisError::from).step("read the token check")?;
+    match word.as_str() {
+        "superseded" | "revoked" => Ok(TokenCheck::Superseded),
+        "expired" => Ok(TokenCheck::Expired),
+        other => Err(RegistryError::CorruptSession { address: a.clone(), field: script, value: other.into() }),
     }
 }
 
@@ -622,6 +661,7 @@ impl SessionStore {
             prefix: prefix.to_string(),
             hello: Script::new(HELLO),
             check: Script::new(CHECK),
+            renew: Script::new(RENEW),
             read: Script::new(READ),
             fence: Script::new(FENCE),
         })
@@ -722,54 +762,64 @@ impl SessionStore {
         }
     }
 
-    /// Checks a token; with a renewal, also extends the lease and stores the snapshot.
+    /// Checks a token: the whole session while it is valid.
     #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
-    pub async fn check(
-        &self,
-        a: &RunAddress,
-        token_hash: &str,
-        renew: Option<Renewal<'_>>,
-    ) -> Result<TokenCheck, RegistryError> {
+    pub async fn check(&self, a: &RunAddress, token_hash: &str) -> Result<TokenCheck<Session>, RegistryError> {
         let mut conn = self.conn.clone();
-        let (flag, now, caps, cap, draining) = match renew {
-            Some(r) => (
-                "1",
-                r.now.timestamp_millis(),
-                r.capabilities.map(to_json).unwrap_or_default(),
-                r.capacity.map(to_json).unwrap_or_default(),
-                r.draining.map(|d| if d { "1" } else { "0" }).unwrap_or_default(),
-            ),
-            None => ("0", 0, String::new(), String::new(), ""),
-        };
-        let out: redis::Value = self
+        let out: Value = self
             .check
             .key(self.key(a, "session"))
             .key(self.key(a, "retired"))
             .key(self.key(a, "identity"))
             .arg(token_hash)
-            .arg(flag)
-            .arg(now)
-            .arg(caps)
-            .arg(cap)
-            .arg(draining)
             .invoke_async(&mut conn)
             .await
             .step("check the session token")?;
         // A list is the session's fields; a single word is why the token is not valid.
-        if let redis::Value::Array(_) = out {
+        if let Value::Array(_) = out {
             let list: Vec<String> =
-                redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the session")?;
-            let fields = SessionFields::new(a, list);
-            let drain_changed = fields.text("drain_changed") == "1";
-            return Ok(TokenCheck::Valid { session: fields.session()?, drain_changed });
+                redis::from_redis_value_ref(&out).map_err(RedisError::from).step("read the session")?;
+            return Ok(TokenCheck::Valid(SessionFields::new(a, list).session()?));
         }
-        let word: String =
-            redis::from_redis_value_ref(&out).map_err(redis::RedisError::from).step("read the token check")?;
-        match word.as_str() {
-            "superseded" | "revoked" => Ok(TokenCheck::Superseded),
-            "expired" => Ok(TokenCheck::Expired),
-            other => Err(RegistryError::CorruptSession { address: a.clone(), field: "check", value: other.into() }),
+        refused(a, &out, "check")
+    }
+
+    /// A heartbeat: checks the token, stores the snapshot's changes and renews the lease,
+    /// in one script of four commands (see RENEW).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
+    pub async fn renew(
+        &self,
+        a: &RunAddress,
+        token_hash: &str,
+        r: Renewal<'_>,
+    ) -> Result<TokenCheck<Lease>, RegistryError> {
+        let mut conn = self.conn.clone();
+        let out: Value = self
+            .renew
+            .key(self.key(a, "session"))
+            .key(self.key(a, "retired"))
+            .key(self.key(a, "identity"))
+            .arg(token_hash)
+            .arg(r.capabilities.map(to_json).unwrap_or_default())
+            .arg(r.capacity.map(to_json).unwrap_or_default())
+            .arg(r.draining.map(|d| if d { "1" } else { "0" }).unwrap_or_default())
+            .invoke_async(&mut conn)
+            .await
+            .step("renew the session lease")?;
+        if let Value::Array(_) = out {
+            let (epoch, lease_ms, drain_changed): (String, i64, i64) =
+                redis::from_redis_value_ref(&out).map_err(RedisError::from).step("read the renewed lease")?;
+            let corrupt =
+                |field: &'static str, value: String| RegistryError::CorruptSession { address: a.clone(), field, value };
+            let epoch = match epoch.as_str() {
+                "" => 0,
+                text => text.parse().map_err(|_| corrupt("epoch", epoch.clone()))?,
+            };
+            let lease_left =
+                Duration::from_millis(u64::try_from(lease_ms).map_err(|_| corrupt("lease_ms", lease_ms.to_string()))?);
+            return Ok(TokenCheck::Valid(Lease { epoch, lease_left, drain_changed: drain_changed == 1 }));
         }
+        refused(a, &out, "renew")
     }
 
     /// The live session of an address with what is left of its lease, if any.
@@ -929,7 +979,7 @@ mod tests {
         ("session_id", "6f1c1b9e-0c59-4d2b-9d36-5c1f8f0b8a11"),
         ("generation", "3"),
         ("started_at_ms", "1700000000000"),
-        ("last_heartbeat_ms", "1700000005000"),
+        ("lease_ms", "30000"),
         ("version", "1.4.2"),
         ("target", r#"{"os":"linux","arch":"amd64"}"#),
         ("capabilities", r#"["lifecycle","config"]"#),
@@ -1028,6 +1078,9 @@ mod tests {
         assert_eq!(s.capacity.get("slots"), Some(&4));
         assert_eq!(s.lease_left, Duration::from_secs(20));
         assert_eq!(s.version.as_deref(), Some("1.4.2"));
+        // 20 s left of a 30 s lease: renewed 10 s ago (no heartbeat writes its time).
+        let ago = (Utc::now() - s.last_heartbeat).num_milliseconds();
+        assert!((10_000..11_000).contains(&ago), "last heartbeat {ago} ms ago");
     }
 
     #[test]
