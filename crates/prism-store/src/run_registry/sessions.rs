@@ -668,9 +668,18 @@ impl SessionStore {
     }
 
     /// The session hash, retired set and identity-epoch key of an address: the keys the
-    /// CHECK script takes (for the benchmark's baseline).
+    /// token scripts take (and the benchmark's baseline).
     pub fn session_keys(&self, a: &RunAddress) -> (String, String, String) {
         (self.key(a, "session"), self.key(a, "retired"), self.key(a, "identity"))
+    }
+
+    /// A script that checks a token (CHECK, RENEW): the address's session keys and the
+    /// token's hash, its first argument.
+    fn token_script<'s>(&self, script: &'s Script, a: &RunAddress, token_hash: &str) -> redis::ScriptInvocation<'s> {
+        let (session, retired, identity) = self.session_keys(a);
+        let mut call = script.key(session);
+        call.key(retired).key(identity).arg(token_hash);
+        call
     }
 
     fn key(&self, a: &RunAddress, suffix: &str) -> String {
@@ -767,11 +776,7 @@ impl SessionStore {
     pub async fn check(&self, a: &RunAddress, token_hash: &str) -> Result<TokenCheck<Session>, RegistryError> {
         let mut conn = self.conn.clone();
         let out: Value = self
-            .check
-            .key(self.key(a, "session"))
-            .key(self.key(a, "retired"))
-            .key(self.key(a, "identity"))
-            .arg(token_hash)
+            .token_script(&self.check, a, token_hash)
             .invoke_async(&mut conn)
             .await
             .step("check the session token")?;
@@ -795,11 +800,7 @@ impl SessionStore {
     ) -> Result<TokenCheck<Lease>, RegistryError> {
         let mut conn = self.conn.clone();
         let out: Value = self
-            .renew
-            .key(self.key(a, "session"))
-            .key(self.key(a, "retired"))
-            .key(self.key(a, "identity"))
-            .arg(token_hash)
+            .token_script(&self.renew, a, token_hash)
             .arg(r.capabilities.map(to_json).unwrap_or_default())
             .arg(r.capacity.map(to_json).unwrap_or_default())
             .arg(r.draining.map(|d| if d { "1" } else { "0" }).unwrap_or_default())
