@@ -195,6 +195,7 @@ fn start_leader_work(
         failures: Default::default(),
         trust_owner_annotation: args.trust_owner_annotation,
         fences_owed: moka::sync::Cache::new(100_000),
+        mirrored: reconcilers::run_session::MirrorMemo::new(100_000, reconcilers::run_session::MIRROR_MEMO_TTL),
         retention: reconcilers::Retention {
             released_hours: args.released_retention_hours,
             history_days: args.history_retention_days,

@@ -93,7 +93,7 @@ pub struct Session {
 }
 
 /// What a RunSession says its identity is: what is mirrored.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Hash)]
 #[cfg_attr(feature = "sqlx", derive(sqlx::FromRow))]
 pub struct IdentitySpec {
     /// The RunSession's metadata.uid.

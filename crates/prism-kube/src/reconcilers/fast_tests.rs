@@ -493,6 +493,29 @@ async fn a_paused_run_and_a_draining_run_show_who_drained_them() {
     assert_eq!(server.event_reasons(), ["Online", "Draining"], "one drain, however it is caused");
 }
 
+/// An unchanged identity is not read from Postgres at every lease: the memo answers,
+/// and a change of the spec (or a rotation) mirrors again. The fence, the level-triggered
+/// revocation, still runs every time.
+#[tokio::test]
+async fn an_unchanged_identity_is_mirrored_once_and_a_changed_one_again() {
+    let (client, server) = api_server();
+    let (ctx, _) = context(client, false);
+    let mut rs = runsession("rs", "srv-1");
+    for _ in 0..3 {
+        reconciled(&server, &ctx, "runsessions", &mut rs).await.expect("reconciled");
+    }
+    assert_eq!(ctx.registry.called("mirror"), 1, "the unchanged identity is read once");
+    assert_eq!(ctx.registry.called("fence"), 3, "the fence runs every reconcile");
+    rs.spec.paused = true;
+    reconciled(&server, &ctx, "runsessions", &mut rs).await.expect("paused");
+    assert_eq!(ctx.registry.called("mirror"), 2, "a changed spec is mirrored");
+    rs.spec.credential = RunCredential { public_key: "a2V5LTI=".into(), generation: 2 };
+    reconciled(&server, &ctx, "runsessions", &mut rs).await.expect("rotated");
+    reconciled(&server, &ctx, "runsessions", &mut rs).await.expect("again");
+    assert_eq!(ctx.registry.called("mirror"), 3, "a rotation is mirrored once");
+    assert!(ctx.registry.fence_of(&address("srv-1")).is_some_and(|e| e >= 2), "fenced to the rotated epoch");
+}
+
 #[tokio::test]
 async fn deleting_a_runsession_revokes_its_identity_and_ends_its_session() {
     let (client, server) = api_server();

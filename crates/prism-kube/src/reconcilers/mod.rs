@@ -113,6 +113,8 @@ pub struct Context<E, R> {
     /// RunSessions whose key was rotated and whose Redis fence has not been written yet:
     /// while Redis fails they are retried every second, not every five.
     pub fences_owed: moka::sync::Cache<uuid::Uuid, ()>,
+    /// Identities mirrored unchanged: not read again each lease (`MirrorMemo`).
+    pub mirrored: run_session::MirrorMemo,
     /// What retention keeps, and how often it looks.
     pub retention: Retention,
 }

@@ -3,6 +3,7 @@
 //! It comes back at the lease's own expiry, so an expired lease shows `Offline` promptly
 //! instead of at the next resync.
 
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,6 +72,46 @@ pub(crate) fn identity_of(obj: &RunSession) -> Result<IdentitySpec, ControllerEr
     })
 }
 
+/// How long an identity mirrored unchanged is not read again (`MirrorMemo`).
+pub const MIRROR_MEMO_TTL: Duration = Duration::from_secs(600);
+
+/// The identities this replica mirrored and owns, with their epoch. A live Run's
+/// RunSession is reconciled once a lease, and each reconcile read its identity row to
+/// find it unchanged: ~330 Postgres reads a second at 10,000 Runs (the scale bench), for
+/// a row that only this reconcile (a spec change) and the finalizer (a revocation)
+/// change. A spec equal to the one mirrored is taken as mirrored, for at most
+/// `MIRROR_MEMO_TTL`: that bounds how long a row changed behind the operator's back (a
+/// database restored from a backup) goes unseen. The Redis fence still runs every
+/// reconcile, so revocation stays level-triggered. An entry keeps a keyed hash of the
+/// spec, not the spec (16 bytes, not ~300, per Run): the key is random per process, so
+/// nobody can make a changed spec hash as the one mirrored.
+#[derive(Clone)]
+pub struct MirrorMemo {
+    mirrored: moka::sync::Cache<Uuid, (u64, i64)>,
+    hasher: std::hash::RandomState,
+}
+
+impl MirrorMemo {
+    pub fn new(capacity: u64, ttl: Duration) -> Self {
+        let mirrored = moka::sync::Cache::builder().max_capacity(capacity).time_to_live(ttl).build();
+        Self { mirrored, hasher: std::hash::RandomState::new() }
+    }
+
+    /// The epoch of `identity` if it was mirrored, exactly as it is now, within the TTL.
+    fn epoch(&self, identity: &IdentitySpec) -> Option<i64> {
+        let digest = self.hasher.hash_one(identity);
+        self.mirrored.get(&identity.id).filter(|(d, _)| *d == digest).map(|(_, epoch)| epoch)
+    }
+
+    fn note(&self, identity: &IdentitySpec, epoch: i64) {
+        self.mirrored.insert(identity.id, (self.hasher.hash_one(identity), epoch));
+    }
+
+    fn forget(&self, id: Uuid) {
+        self.mirrored.invalidate(&id);
+    }
+}
+
 /// What a duplicate's status says of the resource that holds its identity: its name when
 /// it is of the same namespace, and nothing of it when it is another tenant's.
 pub fn duplicate_message(identity: &IdentitySpec, owner_namespace: &str, owner_name: &str) -> String {
@@ -93,7 +134,17 @@ async fn apply<E: Elections, R: Runs>(
     let now = Utc::now();
     let generation = obj.metadata.generation;
 
-    let (next, requeue) = match ctx.registry.mirror(&identity).await.map_err(ControllerError::registry)? {
+    let mirrored = match ctx.mirrored.epoch(&identity) {
+        Some(epoch) => Mirror::Owned { rotated: false, epoch },
+        None => {
+            let mirrored = ctx.registry.mirror(&identity).await.map_err(ControllerError::registry)?;
+            if let Mirror::Owned { epoch, .. } = mirrored {
+                ctx.mirrored.note(&identity, epoch);
+            }
+            mirrored
+        }
+    };
+    let (next, requeue) = match mirrored {
         Mirror::Duplicate { owner_namespace, owner_name } => {
             let msg = duplicate_message(&identity, &owner_namespace, &owner_name);
             (duplicate_status(&previous, generation, "DuplicateIdentity", &msg, now), Duration::from_secs(30))
@@ -155,6 +206,7 @@ async fn apply<E: Elections, R: Runs>(
 /// succeed: the finalizer stays until then, so a failed Redis write is made again.
 async fn cleanup<E: Elections, R: Runs>(obj: &RunSession, ctx: &Context<E, R>) -> Result<Action, ControllerError> {
     let identity = identity_of(obj)?;
+    ctx.mirrored.forget(identity.id);
     // None: this resource never held the identity (a duplicate): nothing of it to undo.
     if let Some(cancelled) =
         ctx.registry.revoke(&identity, REVOKED_EPOCH_TTL).await.map_err(ControllerError::registry)?
