@@ -568,7 +568,10 @@ pub fn context(
         failures: Default::default(),
         trust_owner_annotation,
         fences_owed: moka::sync::Cache::new(100),
-        mirrored: crate::reconcilers::run_session::MirrorMemo::new(100, crate::reconcilers::run_session::MIRROR_MEMO_TTL),
+        mirrored: crate::reconcilers::run_session::MirrorMemo::new(
+            100,
+            crate::reconcilers::run_session::MIRROR_MEMO_TTL,
+        ),
         retention: Retention { released_hours: 24, history_days: 30, every: Duration::from_secs(3600) },
     };
     (Arc::new(ctx), metrics)

@@ -129,8 +129,11 @@ async fn a_desktop_session_preempts_the_master_and_both_statuses_say_who() {
     let mut desktop = registration("desk", "s2", AgentSurface::ClaudeDesktop);
     reconciled(&server, &ctx, "controllerregistrations", &mut codex).await.expect("codex");
     reconciled(&server, &ctx, "controllerregistrations", &mut desktop).await.expect("desktop");
-    // The election's trigger brings the demoted one back.
+    // The election's trigger brings the demoted one back: its row, its project and its
+    // preemptor (that project's master) come from one read.
+    let reads = (ctx.election.called("project"), ctx.election.called("get"));
     reconciled(&server, &ctx, "controllerregistrations", &mut codex).await.expect("codex again");
+    assert_eq!((ctx.election.called("project"), ctx.election.called("get")), (reads.0 + 1, reads.1));
 
     let desk = server.last_status(&registration_path("desk")).expect("desktop status");
     assert_eq!((desk["role"].as_str(), desk["term"].as_i64()), (Some("Master"), Some(2)), "a new term");
@@ -168,6 +171,11 @@ async fn an_unchanged_status_is_not_written_again() {
     reconciled(&server, &ctx, "controllerregistrations", &mut r1).await.expect("again");
     assert_eq!(server.writes().len(), writes, "no status write, no Event: {:?}", server.writes());
     assert_eq!(ctx.election.called("register"), 1, "the row is known: read, not registered again");
+    // A live registration's periodic reconcile reads Postgres once: its project, with
+    // its row in it.
+    let reads = (ctx.election.called("project"), ctx.election.called("get"));
+    reconciled(&server, &ctx, "controllerregistrations", &mut r1).await.expect("once more");
+    assert_eq!((ctx.election.called("project"), ctx.election.called("get")), (reads.0 + 1, reads.1));
 }
 
 #[tokio::test]
