@@ -19,7 +19,9 @@ use kube::{Api, Client, Resource};
 use tracing::warn;
 
 use super::FIELD_MANAGER;
-use super::status::StatusEvent;
+
+/// An Event to record: its type, reason and note.
+pub type StatusEvent = (EventType, &'static str, String);
 
 /// Creates Events as this operator (`reportingController` = `FIELD_MANAGER`) and this
 /// replica (`reportingInstance`). It holds a client and a name, nothing per Event.

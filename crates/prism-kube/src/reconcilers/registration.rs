@@ -18,7 +18,8 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
-use super::status::{ObservedStatus, StatusEvent, write_status};
+use super::events::StatusEvent;
+use super::status::{ObservedStatus, write_status};
 use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{
     ControllerRegistration, ControllerRegistrationStatus, OWNER_ANNOTATION, PROJECT_LABEL, REGISTERED_BY_ANNOTATION,

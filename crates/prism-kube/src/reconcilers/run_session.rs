@@ -15,7 +15,8 @@ use kube::{Api, ResourceExt};
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use super::status::{ObservedStatus, StatusEvent, write_status};
+use super::events::StatusEvent;
+use super::status::{ObservedStatus, write_status};
 use super::{Context, ControllerError, Reconciled, condition};
 use crate::crd::{RunPhase, RunSession, RunSessionStatus};
 use crate::projection::{self, Drain, Lease, SessionView};

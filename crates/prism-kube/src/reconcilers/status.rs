@@ -9,7 +9,6 @@ use std::time::Duration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::core::object::HasStatus;
-use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
 use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
@@ -18,10 +17,7 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use super::FIELD_MANAGER;
-use super::events::EventPublisher;
-
-/// An Event to record: its type, reason and note.
-pub type StatusEvent = (EventType, &'static str, String);
+use super::events::{EventPublisher, StatusEvent};
 
 /// What the status writer needs to know of a kind's status.
 pub trait ObservedStatus: Clone + PartialEq + Default + Serialize + Send + Sync + 'static {
