@@ -33,6 +33,7 @@ use tokio::net::TcpListener;
 use tracing::{debug, info};
 
 pub mod cap;
+pub mod drain;
 pub mod timeout;
 pub mod tls;
 
@@ -81,7 +82,8 @@ pub async fn serve(
     limits: &Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let app = timeout::RequestTimeout::new(limits.request_timeout).apply(app);
+    // The drain outside the timeout: a handler cut at 30 s leaves a body that is not read on.
+    let app = drain::apply(timeout::RequestTimeout::new(limits.request_timeout).apply(app));
     let make_service = app.into_make_service_with_connect_info::<SocketAddr>();
     let handle: Handle<SocketAddr> = Handle::new();
     let grace = limits.shutdown_grace;
@@ -145,6 +147,7 @@ mod tests {
                 }),
             )
             .route("/echo", post(|body: String| async move { body }))
+            .route("/refuse", post(|| async { axum::http::StatusCode::UNAUTHORIZED }))
     }
 
     struct Running {
@@ -200,6 +203,26 @@ mod tests {
 
         let (answer, _) = exchange(server.addr, b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
         assert!(answer.starts_with("HTTP/1.1 200") && answer.ends_with("fast"), "{answer}");
+    }
+
+    #[tokio::test]
+    async fn a_refusal_before_the_body_is_read_waits_for_it_and_keeps_the_connection() {
+        let server = start(app(), limits(), None).await;
+        let body = vec![b'x'; 40_000];
+        let mut conn = TcpStream::connect(server.addr).await.unwrap();
+        let head = format!("POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
+        conn.write_all(head.as_bytes()).await.unwrap();
+        conn.write_all(&body[..8_000]).await.unwrap();
+        // The handler answers now, with 32 KB still to come.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Without the drain the server has closed by now: these writes fail or are reset.
+        let _ = conn.write_all(&body[8_000..]).await;
+        let _ = conn.write_all(b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut answer)).await;
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+        assert!(answer.contains("HTTP/1.1 200") && answer.ends_with("fast"), "the next request on it: {answer}");
     }
 
     #[tokio::test]
