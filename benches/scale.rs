@@ -54,7 +54,7 @@ use kube::{Api, ResourceExt};
 use prism_operator::crd::{Role, RunSession};
 use prism_operator::run_client::RunClient;
 use prism_operator::run_registry::SessionStore;
-use serde_json::json;
+use serde_json::{Value, json};
 
 /// The operator's default PRISM_STATUS_HEARTBEAT_SECONDS: the bench runs with it.
 const STATUS_HEARTBEAT: Duration = Duration::from_secs(240);
@@ -129,6 +129,21 @@ struct Served {
     run_failures: AtomicU64,
     agent_heartbeats: AtomicU64,
     agent_failures: AtomicU64,
+    /// What the failed agent heartbeats got: an HTTP status and the API's error code, or
+    /// the transport error's kind (a count alone does not say whose fault it was).
+    agent_failure_kinds: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+impl Served {
+    fn agent_failed(&self, kind: String) {
+        self.agent_failures.fetch_add(1, Ordering::Relaxed);
+        *self.agent_failure_kinds.lock().unwrap_or_else(|e| e.into_inner()).entry(kind).or_default() += 1;
+    }
+
+    fn agent_failure_kinds(&self) -> String {
+        let kinds = self.agent_failure_kinds.lock().unwrap_or_else(|e| e.into_inner());
+        kinds.iter().map(|(k, n)| format!("{k}: {n}")).collect::<Vec<_>>().join(", ")
+    }
 }
 
 /// Background tasks, aborted when dropped.
@@ -221,11 +236,12 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     println!("   operator peak RSS after everything (incl. the saturating windows of 2): {peak:.1} MiB");
     line("rss_peak_all_mib", &[peak]);
     println!(
-        "   background: {} Run heartbeats ({} failed), {} agent heartbeats ({} failed)",
+        "   background: {} Run heartbeats ({} failed), {} agent heartbeats ({} failed{})",
         served.run_heartbeats.load(Ordering::Relaxed),
         served.run_failures.load(Ordering::Relaxed),
         served.agent_heartbeats.load(Ordering::Relaxed),
-        served.agent_failures.load(Ordering::Relaxed)
+        served.agent_failures.load(Ordering::Relaxed),
+        Some(served.agent_failure_kinds()).filter(|k| !k.is_empty()).map(|k| format!(": {k}")).unwrap_or_default()
     );
     drop(tasks);
 }
@@ -299,15 +315,32 @@ async fn heartbeat_agent(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let ok = http
+        let answer = http
             .post(format!("{base}/api/v1/controller/heartbeat"))
             .bearer_auth(&token)
             .json(&json!({"namespace": ns, "session_id": session}))
             .send()
-            .await
-            .is_ok_and(|r| r.status().is_success());
-        let counter = if ok { &served.agent_heartbeats } else { &served.agent_failures };
-        counter.fetch_add(1, Ordering::Relaxed);
+            .await;
+        match answer {
+            Ok(r) if r.status().is_success() => {
+                served.agent_heartbeats.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(r) => {
+                let status = r.status().as_u16();
+                let code = r.json::<Value>().await.ok().and_then(|b| b["error"]["code"].as_str().map(str::to_string));
+                served.agent_failed(format!("{status} {}", code.unwrap_or_default()).trim_end().to_string());
+            }
+            Err(e) => {
+                let kind = if e.is_timeout() {
+                    "timeout"
+                } else if e.is_connect() {
+                    "connect"
+                } else {
+                    "transport"
+                };
+                served.agent_failed(kind.to_string());
+            }
+        }
     }
 }
 
