@@ -207,8 +207,7 @@ async fn apply<E: Elections, R: Runs>(
     // Most reconciles find the registration live in the project its spec names (a
     // resync, a status heartbeat): one read of that project gives both its row and the
     // view its status is built from, without the project lock. (Reading the row and then
-    // its project was two reads per live registration every status heartbeat: ~80 a
-    // second at 10,000 in the scale bench.)
+    // its project was two reads per live registration every status heartbeat.)
     let spec_view = ctx.election.project(&ns, &obj.spec.project_id).await.map_err(ControllerError::election)?;
     let live_here = spec_view.live.iter().find(|r| r.id == id).cloned();
     let (found, known_view) = match live_here {

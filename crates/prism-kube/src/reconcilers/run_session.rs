@@ -78,9 +78,11 @@ pub const MIRROR_MEMO_TTL: Duration = Duration::from_secs(600);
 
 /// The identities this replica mirrored and owns, with their epoch. A live Run's
 /// RunSession is reconciled once a lease, and each reconcile read its identity row to
-/// find it unchanged: ~330 Postgres reads a second at 10,000 Runs (the scale bench), for
-/// a row that only this reconcile (a spec change) and the finalizer (a revocation)
-/// change. A spec equal to the one mirrored is taken as mirrored, for at most
+/// find it unchanged, a row that only this reconcile (a spec change) and the finalizer
+/// (a revocation) change. (Issue 23 estimated ~330 reads a second at 10,000 Runs; the
+/// scale bench's steady window at 2,500 showed almost none before this memo either, so
+/// what it saves is a read per reconcile in bursts, such as every RunSession after a
+/// Redis outage: BENCHMARKS.md.) A spec equal to the one mirrored is taken as mirrored, for at most
 /// `MIRROR_MEMO_TTL`: that bounds how long a row changed behind the operator's back (a
 /// database restored from a backup) goes unseen. The Redis fence still runs every
 /// reconcile, so revocation stays level-triggered. An entry keeps a keyed hash of the
