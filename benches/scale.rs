@@ -162,7 +162,9 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     let projects = n / PER_PROJECT;
     let redis = support::PrivateRedis::start().await;
     let prefix = support::redis_prefix();
-    let env = [("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_PREFIX", prefix.as_str()), ("RUST_LOG", "warn")];
+    // BENCH_OPERATOR_LOG: the operator's RUST_LOG (e.g. to follow a slow sample of figure 4 in its log).
+    let log = std::env::var("BENCH_OPERATOR_LOG").unwrap_or_else(|_| "warn".into());
+    let env = [("REDIS_URL", redis.url.as_str()), ("PRISM_REDIS_PREFIX", prefix.as_str()), ("RUST_LOG", log.as_str())];
     let line = |figure: &str, values: &[f64]| println!("{}", scale_line(n, figure, values));
     println!("== N = {n}: {n} registrations over {projects} projects, {n} RunSessions and Runs; {r} rounds");
 
@@ -445,6 +447,24 @@ struct Sightings {
     masters: Mutex<HashMap<String, (String, Instant)>>,
     /// Lease holder -> when first seen.
     holders: Mutex<HashMap<String, Instant>>,
+    /// Watches whose initial list is complete. Until then a change waits behind the rest
+    /// of the list: at 10,000 the masters are all in its first pages, and a sample taken
+    /// then measured the list (1-4 s), not the operator.
+    listed: AtomicU64,
+}
+
+impl Sightings {
+    /// An event of one of the watches: the object it carries, if any, and the end of a list.
+    fn event<K>(&self, event: Result<watcher::Event<K>, watcher::Error>) -> Option<K> {
+        match event {
+            Ok(watcher::Event::Apply(obj) | watcher::Event::InitApply(obj)) => Some(obj),
+            Ok(watcher::Event::InitDone) => {
+                self.listed.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Polls `check` every 2 ms until it returns Some, for up to 30 s.
@@ -474,49 +494,45 @@ async fn status_lag(client: &kube::Client, live: &Live, projects: usize, line: &
     let mut tasks = Tasks(Vec::new());
     let s = seen.clone();
     tasks.0.push(
-        tokio::spawn(
-            watcher(live.api.clone(), watcher::Config::default()).default_backoff().applied_objects().for_each(
-                move |obj| {
-                    if let Ok(r) = obj
-                        && r.status.as_ref().is_some_and(|st| st.role == Role::Master)
-                    {
-                        let mut masters = s.masters.lock().unwrap_or_else(|e| e.into_inner());
-                        let name = r.name_any();
-                        let entry = masters.entry(r.spec.project_id.clone()).or_insert((String::new(), Instant::now()));
-                        if entry.0 != name {
-                            *entry = (name, Instant::now());
-                        }
-                    }
-                    std::future::ready(())
-                },
-            ),
-        )
+        tokio::spawn(watcher(live.api.clone(), watcher::Config::default()).default_backoff().for_each(move |event| {
+            if let Some(r) = s.event(event)
+                && r.status.as_ref().is_some_and(|st| st.role == Role::Master)
+            {
+                let mut masters = s.masters.lock().unwrap_or_else(|e| e.into_inner());
+                let name = r.name_any();
+                let entry = masters.entry(r.spec.project_id.clone()).or_insert((String::new(), Instant::now()));
+                if entry.0 != name {
+                    *entry = (name, Instant::now());
+                }
+            }
+            std::future::ready(())
+        }))
         .abort_handle(),
     );
     let s = seen.clone();
     tasks.0.push(
-        tokio::spawn(watcher(leases.clone(), watcher::Config::default()).default_backoff().applied_objects().for_each(
-            move |obj| {
-                if let Ok(l) = obj
-                    && let Some(h) = l.spec.and_then(|s| s.holder_identity)
-                {
-                    s.holders.lock().unwrap_or_else(|e| e.into_inner()).entry(h).or_insert_with(Instant::now);
-                }
-                std::future::ready(())
-            },
-        ))
+        tokio::spawn(watcher(leases.clone(), watcher::Config::default()).default_backoff().for_each(move |event| {
+            if let Some(l) = s.event(event)
+                && let Some(h) = l.spec.and_then(|s| s.holder_identity)
+            {
+                s.holders.lock().unwrap_or_else(|e| e.into_inner()).entry(h).or_insert_with(Instant::now);
+            }
+            std::future::ready(())
+        }))
         .abort_handle(),
     );
-    // Both watches have listed.
+    // Both watches have listed everything, every project's master among it.
     let ready = seen_by(|| {
         let masters = seen.masters.lock().unwrap_or_else(|e| e.into_inner()).len();
         let holders = seen.holders.lock().unwrap_or_else(|e| e.into_inner()).contains_key("h-start");
-        (masters >= projects && holders).then(Instant::now)
+        (masters >= projects && holders && seen.listed.load(Ordering::Relaxed) >= 2).then(Instant::now)
     })
     .await;
     assert!(ready.is_some(), "the lag watches did not list every project's master");
 
     let (mut role, mut lease_lag) = (Vec::new(), Vec::new());
+    // Role-change samples: (lag, when it started, project, the deleted master), to name the slow ones.
+    let mut started = Vec::new();
     for i in 0..samples {
         for side in common::measure::order(i, 2) {
             let lag = if side == 0 {
@@ -524,6 +540,7 @@ async fn status_lag(client: &kube::Client, live: &Live, projects: usize, line: &
                 let old = seen.masters.lock().unwrap_or_else(|e| e.into_inner()).get(&project).map(|m| m.0.clone());
                 let Some(old) = old else { continue };
                 let t0 = Instant::now();
+                started.push((chrono::Utc::now(), project.clone(), old.clone()));
                 live.api.delete(&old, &DeleteParams::default()).await.expect("delete the master");
                 seen_by(|| {
                     let masters = seen.masters.lock().unwrap_or_else(|e| e.into_inner());
@@ -568,6 +585,12 @@ async fn status_lag(client: &kube::Client, live: &Live, projects: usize, line: &
         p99 / l99,
         p50 / l50
     );
+    // The slowest role changes, by name and wall-clock start, to find them in the operator's log.
+    let mut slowest: Vec<_> = role.iter().zip(&started).filter(|(v, _)| !v.is_nan() && **v > 2.0 * p50).collect();
+    slowest.sort_by(|a, b| b.0.total_cmp(a.0));
+    for (v, (at, project, old)) in slowest.iter().take(5) {
+        println!("   slow: {:.0} ms from {} ({project}: {old} deleted)", *v * 1000.0, at.format("%H:%M:%S%.3f"));
+    }
     line("lag_p50_s", &[p50]);
     line("lag_p99_s", &[p99]);
     line("lease_lag_p99_s", &[l99]);

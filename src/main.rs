@@ -8,6 +8,9 @@ use prism_operator::{crd, db, telemetry};
 // glibc's malloc spent about a sixth of the operator's CPU under API load (perf, MCP
 // benchmark: arena lock waits, consolidation); serving many small JSON requests on few
 // cores is mimalloc's case.
+// A heap profile (scripts/heap-profile) builds with RUSTFLAGS="--cfg prism_heap_profile":
+// heaptrack sees only the system allocator's calls.
+#[cfg(not(prism_heap_profile))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -716,6 +716,75 @@ async fn an_answer_is_never_older_than_the_change_before_it() {
     }
 }
 
+/// #19.10 with roles held in memory (issue 23): heartbeats of an unchanged session are
+/// answered without Postgres, and a change committed by another replica reaches them
+/// through its notification, before the heartbeat that follows the change's answer.
+/// Every replica serves the API; only the Lease holder reconciles.
+#[tokio::test]
+async fn held_roles_answer_without_postgres_and_follow_another_replicas_change() {
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "h-held").await;
+    let db = TestDb::new().await;
+    let replica = |pod: &'static str| {
+        let (db_url, ns) = (db.url.clone(), ns.clone());
+        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
+    };
+    let (a, b) = (replica("held-a").await, replica("held-b").await);
+    let agent = support::agent_token(cp, &ns, "agent", &ALL).await;
+    let desk = support::agent_token(cp, &ns, "desk", &ALL).await;
+    let beat = |session: &str| {
+        post(&a, &agent, "/api/v1/controller/heartbeat", json!({"namespace": ns, "session_id": session}))
+    };
+    let role_reads = || async {
+        let text = http().get(a.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
+        let line = text.lines().find(|l| l.starts_with("prism_controller_role_reads_total ")).expect("the counter");
+        line.rsplit(' ').next().and_then(|n| n.parse::<u64>().ok()).expect("a count")
+    };
+    for round in 0..3 {
+        let project = format!("P{round}");
+        let old = format!("s-old-{round}");
+        assert_eq!(register(&a, &agent, &ns, &project, &old, "codex").await.0, 200);
+        let first = role_reads().await;
+        assert_eq!(beat(&old).await.1["role"], "Master");
+        assert!(role_reads().await > first, "round {round}: the first heartbeat reads the role");
+        // 200 heartbeats of the unchanged session: its role is read from Postgres once
+        // (the operator counts those reads), not once per heartbeat.
+        let before = role_reads().await;
+        for _ in 0..200 {
+            let (status, hb) = beat(&old).await;
+            assert_eq!((status, hb["role"].as_str()), (200, Some("Master")), "{hb}");
+        }
+        let read = role_reads().await - before;
+        assert!(read <= 1, "round {round}: 200 heartbeats of an unchanged session read its role {read} times");
+        // A desktop preempts through the other replica; its answer comes after the commit.
+        let (status, d) = register(&b, &desk, &ns, &project, &format!("s-desk-{round}"), "claude_desktop").await;
+        assert_eq!((status, d["is_master"].as_bool()), (200, Some(true)));
+        let (told, calls) = (std::time::Instant::now(), std::sync::atomic::AtomicU32::new(0));
+        let hb = eventually(1, "the preempted master told so by the other replica", || async {
+            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (_, hb) = beat(&old).await;
+            (hb["role"] == "Peer").then_some(hb)
+        })
+        .await;
+        println!(
+            "round {round}: replica A told of replica B's preemption at its call {} after B's answer, {:?}",
+            calls.into_inner(),
+            told.elapsed()
+        );
+        assert_eq!((hb["you_were_preempted"].as_bool(), hb["term"].as_i64()), (Some(true), Some(2)), "{hb}");
+        // A wrap through the other replica promotes the old master back.
+        let desk_id = d["registration"]["id"].as_str().expect("id");
+        let path = format!("/api/v1/controller/{desk_id}/release?namespace={ns}");
+        assert_eq!(post(&b, &desk, &path, json!({})).await.0, 200);
+        eventually(1, "the promoted peer told so by the other replica", || async {
+            let (_, hb) = beat(&old).await;
+            (hb["role"] == "Master" && hb["term"] == 3).then_some(())
+        })
+        .await;
+    }
+}
+
 /// #19.11: identifiers are printable. A newline or another control character in a
 /// project or session id is refused by the API (422), by the CRD schema and over MCP,
 /// and nothing is written.

@@ -46,7 +46,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         per_namespace: settings.max_sessions_per_namespace,
     };
     // One for both registries; every replica listens (its API answers heartbeats and claims).
-    let signals = Signals::default();
+    let signals = Signals::counting_role_reads(metrics.role_reads.clone());
     tokio::spawn(signals.clone().follow(api_pool.clone()));
     let registry_on = |pool: &sqlx::PgPool| {
         let jobs = JobStore::new(
@@ -67,7 +67,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         )
     };
     let (api_registry, controller_registry) = (registry_on(&api_pool), registry_on(&controller_pool));
-    let controller_election = ElectionStore::with_quotas(controller_pool.clone(), quotas);
+    // Both stores answer heartbeats' roles from what the listener keeps, and tell it of their commits.
+    let controller_election =
+        ElectionStore::with_quotas(controller_pool.clone(), quotas).with_live_roles(signals.live_roles());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     // The Lease is handed back only after the API has answered its waiting claims and
     // ended its streams (SPEC §11): until then this replica still leads, and the
@@ -82,7 +84,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         &metrics,
         lease_stop_rx,
     );
-    let election = ElectionStore::with_quotas(api_pool.clone(), quotas);
+    let election = ElectionStore::with_quotas(api_pool.clone(), quotas).with_live_roles(signals.live_roles());
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
     let ApiSettings { limits, allowed_hosts, session_key, tls, audiences, listen, max_connections, .. } = settings;
     let mcp = mcp_config(allowed_hosts, session_key, &api_pool).await?;

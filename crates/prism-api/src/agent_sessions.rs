@@ -383,16 +383,17 @@ impl AgentService {
 
     /// The heartbeat of `caller`'s session (SPEC §4 rule 8): its role, and a coalesced
     /// refresh of its registration. Another identity's session is refused and not
-    /// refreshed. The role is read from Postgres on every call, never from a cache: an
-    /// answer must not be older than a change committed before the call (a master
-    /// preempted a moment ago is told so on its very next call).
+    /// refreshed. The role comes from memory only while nothing can have changed it since
+    /// it was read (`election::roles`: this process's commits invalidate at once, other
+    /// replicas' through their NOTIFY), otherwise from Postgres: a master preempted a
+    /// moment ago is told so on its very next call.
     #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn heartbeat(&self, namespace: &str, session_id: &str, caller: &str) -> Result<LiveRole, AgentError> {
         let role = self.role(namespace, session_id).await?;
         if role.owner.as_deref().is_some_and(|owner| owner != caller) {
             return Err(AgentError::NotOwned(session_id.to_string()));
         }
-        // The write is coalesced: this call costs Postgres one indexed read.
+        // The write is coalesced: this call costs Postgres at most one indexed read.
         self.heartbeats.beat(namespace, session_id);
         Ok(role)
     }

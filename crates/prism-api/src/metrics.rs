@@ -41,6 +41,8 @@ pub struct Metrics {
     reconcile_seconds: Family<ControllerLabels, Histogram>,
     pub heartbeats: Counter,
     pub heartbeat_flushes: Counter,
+    /// Agents' roles read from Postgres; the other heartbeats were answered from memory.
+    pub role_reads: Counter,
     pub claim_seconds: Histogram,
     pub claims_waiting: Gauge,
     election_events: Family<CauseLabels, Gauge>,
@@ -79,6 +81,7 @@ impl Default for Metrics {
         });
         let heartbeats = Counter::default();
         let heartbeat_flushes = Counter::default();
+        let role_reads = Counter::default();
         let claim_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
         let claims_waiting = Gauge::default();
         let election_events = Family::<CauseLabels, Gauge>::default();
@@ -138,6 +141,11 @@ impl Default for Metrics {
             "Batched heartbeat UPDATEs written",
             heartbeat_flushes.clone(),
         );
+        registry.register(
+            "controller_role_reads",
+            "Agents' roles read from Postgres for an answer (the others came from memory)",
+            role_reads.clone(),
+        );
         Self {
             registry,
             reconciles,
@@ -145,6 +153,7 @@ impl Default for Metrics {
             reconcile_seconds,
             heartbeats,
             heartbeat_flushes,
+            role_reads,
             claim_seconds,
             claims_waiting,
             election_events,

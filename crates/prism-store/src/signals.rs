@@ -41,6 +41,7 @@ use tokio::sync::Notify;
 use tokio::sync::futures::Notified;
 use tracing::{debug, warn};
 
+use crate::election::LiveRoles;
 use crate::run_registry::RunAddress;
 
 /// A job in flight got a cancel request (migration `20261202000004_cancel_signal.sql`).
@@ -102,6 +103,8 @@ struct Inner {
     runs: Arc<Waiters<RunAddress>>,
     projects: Arc<Waiters<ProjectKey>>,
     mcp_sessions: Arc<Waiters<String>>,
+    /// Heartbeats' roles, held while listening (`election::roles`).
+    roles: LiveRoles,
 }
 
 /// Keys that may have something pending; `None` while not listening: nothing known,
@@ -194,6 +197,18 @@ impl Signals {
         self.inner.mcp_sessions.wake(&digest.to_string());
     }
 
+    /// Signals whose held roles count their reads from Postgres in `role_reads`.
+    pub fn counting_role_reads(role_reads: prometheus_client::metrics::counter::Counter) -> Self {
+        let inner = Inner { roles: LiveRoles::counting(role_reads), ..Inner::default() };
+        Signals { inner: Arc::new(inner) }
+    }
+
+    /// The roles every election store of this process answers heartbeats from: what
+    /// this listener hears of a project's change (and of its own gaps) invalidates them.
+    pub fn live_roles(&self) -> LiveRoles {
+        self.inner.roles.clone()
+    }
+
     /// How many addresses and projects are waited on now.
     pub fn waited(&self) -> (usize, usize) {
         (self.inner.runs.len(), self.inner.projects.len())
@@ -203,6 +218,7 @@ impl Signals {
     fn forget(&self) {
         self.inner.cancels.forget();
         self.inner.nudges.forget();
+        self.inner.roles.deaf();
     }
 
     fn replace_cancels(&self, set: HashSet<RunAddress>) {
@@ -245,6 +261,8 @@ impl Signals {
         // Not `recv`'s silent reconnection: the gap must be seen, to look again.
         listener.eager_reconnect(false);
         listener.listen_all([JOB_CANCELS, JOB_WAKES, PROJECTS, NUDGES, MCP_SUBSCRIPTIONS]).await?;
+        // Every change committed from here on is heard: roles read from now on may be held.
+        self.inner.roles.listening();
         self.rescan(pool).await?;
         self.wake_everyone();
         let mut rescan = tokio::time::interval(RESCAN_EVERY);
@@ -278,6 +296,7 @@ impl Signals {
             },
             PROJECTS => match serde_json::from_str::<ProjectKey>(payload) {
                 Ok(project) => {
+                    self.inner.roles.changed(&project.namespace, &project.project_id);
                     self.inner.projects.wake(&project);
                     true
                 }

@@ -3,10 +3,12 @@
 //! fresh.
 
 pub mod heartbeat;
+pub mod roles;
 pub mod store;
 
 pub use prism_core::election::rules;
 pub use prism_core::election::{Candidate, Cause, Decision, Event, ProjectState, Transition, decide};
+pub use roles::LiveRoles;
 pub use store::{
     ElectionStore, LiveRole, NewRegistration, OwnedRegistration, ProjectView, Quota, Quotas, RegisterOutcome,
     Registration,

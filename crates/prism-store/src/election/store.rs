@@ -16,6 +16,7 @@ use tracing::{debug, warn};
 use uuid::Uuid;
 
 use super::ElectionError;
+use super::roles::LiveRoles;
 use crate::db::{QueryError, Step, text_enum};
 use crate::refresh::{self, NamespacedName};
 use prism_core::election::{AgentSurface, ReleaseReason};
@@ -120,6 +121,9 @@ pub struct ElectionStore {
     quotas: Quotas,
     /// Live registrations per namespace, as counted lately (see `Quotas::per_namespace`).
     namespace_counts: moka::sync::Cache<String, i64>,
+    /// Heartbeats' roles held in memory while the process hears every change (`roles`);
+    /// None: every heartbeat reads Postgres.
+    roles: Option<LiveRoles>,
 }
 
 /// How long a namespace's count of live registrations is used before it is counted again.
@@ -133,7 +137,22 @@ impl ElectionStore {
     pub fn with_quotas(pool: PgPool, quotas: Quotas) -> Self {
         let namespace_counts =
             moka::sync::Cache::builder().max_capacity(10_000).time_to_live(NAMESPACE_COUNT_TTL).build();
-        Self { pool, quotas, namespace_counts }
+        Self { pool, quotas, namespace_counts, roles: None }
+    }
+
+    /// Answers heartbeats' roles from `roles` when it may (see `roles`), and tells it of
+    /// every change this store commits. Every store of a process shares the one its
+    /// signal listener keeps (`Signals::live_roles`).
+    pub fn with_live_roles(mut self, roles: LiveRoles) -> Self {
+        self.roles = Some(roles);
+        self
+    }
+
+    /// A decision about the project was committed (or may have been): held roles of it go.
+    fn changed(&self, namespace: &str, project_id: &str) {
+        if let Some(roles) = &self.roles {
+            roles.changed(namespace, project_id);
+        }
     }
 
     /// Whether Postgres answers (readiness).
@@ -217,6 +236,19 @@ impl ElectionStore {
     /// What a heartbeat answers, in one indexed read.
     #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn live_role(&self, namespace: &str, session_id: &str) -> Result<Option<LiveRole>, ElectionError> {
+        let Some(roles) = &self.roles else { return self.read_live_role(namespace, session_id).await };
+        if let Some(role) = roles.get(namespace, session_id) {
+            return Ok(Some(role));
+        }
+        let ticket = roles.ticket();
+        let role = self.read_live_role(namespace, session_id).await?;
+        if let Some(role) = &role {
+            roles.put(ticket, namespace, session_id, role);
+        }
+        Ok(role)
+    }
+
+    async fn read_live_role(&self, namespace: &str, session_id: &str) -> Result<Option<LiveRole>, ElectionError> {
         Ok(sqlx::query_as(
             "SELECT r.project_id, r.is_master, r.preempted, p.term AS project_term, r.owner FROM controller_registrations r
              JOIN controller_projects p ON p.namespace = r.namespace AND p.project_id = r.project_id
@@ -494,7 +526,12 @@ impl ElectionStore {
         let announced = (!new.through_api).then_some(new.id);
         write_decision(&mut tx, &new.namespace, &new.project_id, &plan.before, &plan.decision, &plan.names, announced)
             .await?;
-        tx.commit().await.step("register: commit")?;
+        let committed = tx.commit().await;
+        if let Some(from) = leaving {
+            self.changed(&from.namespace, &from.project_id);
+        }
+        self.changed(&new.namespace, &new.project_id);
+        committed.step("register: commit")?;
         Ok(Attempt::Done(Box::new(plan.newcomer_row(new))))
     }
 
@@ -523,7 +560,9 @@ impl ElectionStore {
         if reason == ReleaseReason::ContextSwitch && !decision.transitions.is_empty() {
             write_wrap_nudge(&mut tx, &row).await?;
         }
-        tx.commit().await.step("release: commit")?;
+        let committed = tx.commit().await;
+        self.changed(&row.namespace, &row.project_id);
+        committed.step("release: commit")?;
         Ok(!decision.transitions.is_empty())
     }
 
@@ -610,7 +649,9 @@ impl ElectionStore {
         let released = stale.len();
         let decision = decide(&state, &Event::Release { ids: stale, reason: ReleaseReason::StaleHeartbeatIncident });
         write_decision(&mut tx, namespace, project_id, &state, &decision, &names, None).await?;
-        tx.commit().await.step("sweep: commit")?;
+        let committed = tx.commit().await;
+        self.changed(namespace, project_id);
+        committed.step("sweep: commit")?;
         Ok(released)
     }
 
