@@ -353,8 +353,8 @@ pub async fn run_controllers<E: Elections, R: Runs>(
     futures::join!(registrations, runsessions);
 }
 
-/// A controller whose cache keeps no `managedFields` (most of a cached object's bytes,
-/// never read here) and which reconciles only on changes that matter to it: a new
+/// A controller whose cache keeps of an object's metadata only what a reconcile reads
+/// (`own_metadata_only`) and which reconciles only on changes that matter to it: a new
 /// resource, a new generation, deletion, its finalizers (the RunSession reconciler adds
 /// its finalizer and waits for that change). Its status and label writes do not come
 /// back as reconciles; elections feed affected resources in through `Triggers`, and the
@@ -366,11 +366,32 @@ where
     let (reader, writer) = reflector::store();
     let changes = watcher(api, watcher::Config::default())
         .default_backoff()
-        .modify(|obj: &mut K| obj.meta_mut().managed_fields = None)
+        .modify(|obj: &mut K| own_metadata_only(obj.meta_mut()))
         .reflect(writer)
         .applied_objects()
         .predicate_filter(changes_that_matter, PredicateConfig::default());
     Controller::for_stream(changes, reader)
+}
+
+/// The prefix of every label and annotation the operator reads or writes.
+const OWN_PREFIX: &str = "prism.ntecdev.ai/";
+
+/// Drops from a cached object what no reconcile reads: `managedFields` (most of an
+/// object's bytes), and labels and annotations not of this operator (a `kubectl apply`
+/// leaves the whole object again in its last-applied annotation). The reconcilers read
+/// the project label and the owner and registered-by annotations, and patch only those
+/// (a merge patch of the label alone, the finalizer list whole): the resource keeps
+/// everything else.
+fn own_metadata_only(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
+    meta.managed_fields = None;
+    for map in [&mut meta.labels, &mut meta.annotations] {
+        if let Some(entries) = map {
+            entries.retain(|key, _| key.starts_with(OWN_PREFIX));
+            if entries.is_empty() {
+                *map = None;
+            }
+        }
+    }
 }
 
 /// What a reconcile reacts to, as a hash (see `controller_for`).
@@ -509,6 +530,42 @@ pub async fn run_registry_watch<E: Elections, R: Runs>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cache_keeps_the_operators_own_metadata_only() {
+        use crate::crd::{OWNER_ANNOTATION, PROJECT_LABEL, REGISTERED_BY_ANNOTATION};
+        let mut meta = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some("r".into()),
+            labels: Some([(PROJECT_LABEL.to_string(), "P".to_string()), ("app".to_string(), "x".to_string())].into()),
+            annotations: Some(
+                [
+                    (OWNER_ANNOTATION.to_string(), "alice".to_string()),
+                    (REGISTERED_BY_ANNOTATION.to_string(), "api".to_string()),
+                    ("kubectl.kubernetes.io/last-applied-configuration".to_string(), "{...}".repeat(100)),
+                ]
+                .into(),
+            ),
+            finalizers: Some(vec!["prism.ntecdev.ai/release".into(), "other/keep".into()]),
+            managed_fields: Some(vec![Default::default()]),
+            ..Default::default()
+        };
+        own_metadata_only(&mut meta);
+        assert_eq!(meta.labels, Some([(PROJECT_LABEL.to_string(), "P".to_string())].into()));
+        let annotations: Vec<&String> = meta.annotations.iter().flatten().map(|(k, _)| k).collect();
+        assert_eq!(annotations, [OWNER_ANNOTATION, REGISTERED_BY_ANNOTATION]);
+        assert_eq!(meta.managed_fields, None);
+        assert_eq!(
+            meta.finalizers.map(|f| f.len()),
+            Some(2),
+            "every finalizer stays (kube's finalizer() patches the list)"
+        );
+        let mut bare = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            labels: Some([("app".to_string(), "x".to_string())].into()),
+            ..Default::default()
+        };
+        own_metadata_only(&mut bare);
+        assert_eq!(bare.labels, None, "no empty map kept");
+    }
 
     #[test]
     fn only_generation_deletion_and_finalizers_trigger_a_reconcile() {
