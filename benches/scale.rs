@@ -132,6 +132,10 @@ struct Served {
     /// What the failed agent heartbeats got: an HTTP status and the API's error code, or
     /// the transport error's kind (a count alone does not say whose fault it was).
     agent_failure_kinds: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Sessions whose registration figure 4 deleted: their agents are told
+    /// `not_registered`, which is the right answer, and stop.
+    deleted_sessions: Mutex<std::collections::HashSet<String>>,
+    agents_stopped: AtomicU64,
 }
 
 impl Served {
@@ -223,7 +227,7 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     steady_state(client, &db, &live, &redis, &served, n, &line).await;
 
     // 4. Status lag of a role change vs. a Lease update.
-    status_lag(client, &live, projects, &line).await;
+    status_lag(client, &live, projects, &served, &line).await;
 
     // 2. Heartbeats per core.
     heartbeats_per_core(&live, &redis, &prefix, window_runs, &served, r, &line).await;
@@ -238,12 +242,13 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     println!("   operator peak RSS after everything (incl. the saturating windows of 2): {peak:.1} MiB");
     line("rss_peak_all_mib", &[peak]);
     println!(
-        "   background: {} Run heartbeats ({} failed), {} agent heartbeats ({} failed{})",
+        "   background: {} Run heartbeats ({} failed), {} agent heartbeats ({} failed{}; {} agents stopped when told their registration, deleted by figure 4, was gone)",
         served.run_heartbeats.load(Ordering::Relaxed),
         served.run_failures.load(Ordering::Relaxed),
         served.agent_heartbeats.load(Ordering::Relaxed),
         served.agent_failures.load(Ordering::Relaxed),
-        Some(served.agent_failure_kinds()).filter(|k| !k.is_empty()).map(|k| format!(": {k}")).unwrap_or_default()
+        Some(served.agent_failure_kinds()).filter(|k| !k.is_empty()).map(|k| format!(": {k}")).unwrap_or_default(),
+        served.agents_stopped.load(Ordering::Relaxed)
     );
     drop(tasks);
 }
@@ -330,6 +335,11 @@ async fn heartbeat_agent(
             Ok(r) => {
                 let status = r.status().as_u16();
                 let code = r.json::<Value>().await.ok().and_then(|b| b["error"]["code"].as_str().map(str::to_string));
+                let deleted = served.deleted_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&session);
+                if status == 404 && code.as_deref() == Some("not_registered") && deleted {
+                    served.agents_stopped.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
                 served.agent_failed(format!("{status} {}", code.unwrap_or_default()).trim_end().to_string());
             }
             Err(e) => {
@@ -481,7 +491,13 @@ async fn seen_by<F: Fn() -> Option<Instant>>(check: F) -> Option<Instant> {
 
 /// Figure 4. Samples alternate: a project's master deleted (its peers' best is promoted), then a
 /// Lease's holder changed; each timed until the watch shows it.
-async fn status_lag(client: &kube::Client, live: &Live, projects: usize, line: &impl Fn(&str, &[f64])) {
+async fn status_lag(
+    client: &kube::Client,
+    live: &Live,
+    projects: usize,
+    served: &Served,
+    line: &impl Fn(&str, &[f64]),
+) {
     let samples = lag_samples();
     let seen = Arc::new(Sightings::default());
     let leases: Api<Lease> = Api::namespaced(client.clone(), &live.ns);
@@ -541,6 +557,10 @@ async fn status_lag(client: &kube::Client, live: &Live, projects: usize, line: &
                 let Some(old) = old else { continue };
                 let t0 = Instant::now();
                 started.push((chrono::Utc::now(), project.clone(), old.clone()));
+                // Registration c{k:05} is session conv-{k} (converge::registration).
+                if let Some(k) = old.strip_prefix('c').and_then(|k| k.parse::<usize>().ok()) {
+                    served.deleted_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(format!("conv-{k}"));
+                }
                 live.api.delete(&old, &DeleteParams::default()).await.expect("delete the master");
                 seen_by(|| {
                     let masters = seen.masters.lock().unwrap_or_else(|e| e.into_inner());
