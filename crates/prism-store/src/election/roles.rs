@@ -137,12 +137,6 @@ impl LiveRoles {
         self.inner.since.store(self.tick(), Ordering::SeqCst);
         self.inner.entries.invalidate_all();
     }
-
-    /// How many sessions are held (for tests and metrics).
-    pub fn held(&self) -> u64 {
-        self.inner.entries.run_pending_tasks();
-        self.inner.entries.entry_count()
-    }
 }
 
 #[cfg(test)]
