@@ -783,6 +783,23 @@ async fn held_roles_answer_without_postgres_and_follow_another_replicas_change()
         })
         .await;
     }
+    // Deleted with kubectl: the leader's cleanup releases it (whichever replica leads),
+    // and A's held role goes with it; once told not_registered, always told so.
+    let (status, gone) = register(&a, &agent, &ns, "P-gone", "s-gone", "codex").await;
+    assert_eq!(status, 200, "{gone}");
+    assert_eq!(beat("s-gone").await.1["role"], "Master");
+    let name = gone["registration"]["name"].as_str().expect("name");
+    let regs: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
+    regs.delete(name, &DeleteParams::default()).await.expect("delete");
+    eventually(10, "the deleted registration's session told not_registered", || async {
+        let (status, hb) = beat("s-gone").await;
+        (status == 404 && code(&hb) == "not_registered").then_some(())
+    })
+    .await;
+    for _ in 0..20 {
+        let (status, hb) = beat("s-gone").await;
+        assert_eq!((status, code(&hb)), (404, "not_registered"), "{hb}");
+    }
 }
 
 /// #19.11: identifiers are printable. A newline or another control character in a
