@@ -318,7 +318,7 @@ async fn the_leader_killed_mid_storm_leaves_no_half_applied_change() {
     let db = TestDb::new().await;
     let start = |pod: &'static str| {
         let (db_url, ns) = (db.url.clone(), ns.clone());
-        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
+        async move { Operator::replica(cp, &db_url, &ns, pod).await }
     };
     let mut replicas = [Some(start("faults-a").await), Some(start("faults-b").await)];
     let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;

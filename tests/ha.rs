@@ -52,7 +52,7 @@ async fn the_standby_takes_over_when_the_leader_dies() {
     let db = TestDb::new().await;
     let start = |pod: &'static str| {
         let (cp, db_url, ns) = (cp, db.url.clone(), ns.clone());
-        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
+        async move { Operator::replica(cp, &db_url, &ns, pod).await }
     };
     const PODS: [&str; 2] = ["replica-a", "replica-b"];
     let mut replicas = [Some(start(PODS[0]).await), Some(start(PODS[1]).await)];

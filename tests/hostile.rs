@@ -728,7 +728,7 @@ async fn held_roles_answer_without_postgres_and_follow_another_replicas_change()
     let db = TestDb::new().await;
     let replica = |pod: &'static str| {
         let (db_url, ns) = (db.url.clone(), ns.clone());
-        async move { Operator::start(cp, &db_url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await }
+        async move { Operator::replica(cp, &db_url, &ns, pod).await }
     };
     let (a, b) = (replica("held-a").await, replica("held-b").await);
     let agent = support::agent_token(cp, &ns, "agent", &ALL).await;

@@ -246,8 +246,7 @@ async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "watch-stop").await;
     let db = TestDb::new().await;
-    let mut op =
-        Operator::start(cp, &db.url, &ns, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", "watch-stop-a")]).await;
+    let mut op = Operator::replica(cp, &db.url, &ns, "watch-stop-a").await;
     let token = support::agent_token(cp, &ns, "agent", &ALL).await;
     support::eventually(30, "leadership", || async { op.logs().contains("became leader").then_some(()) }).await;
     let (status, mut events) = watch(&op, &token, &ns, "p-stop", None, None).await;

@@ -566,6 +566,12 @@ impl Operator {
         unreachable!("the last attempt returns or panics")
     }
 
+    /// One replica of several on one database and namespace: leader election on, `pod`
+    /// its identity in the Lease.
+    pub async fn replica(cp: &ControlPlane, database_url: &str, namespace: &str, pod: &str) -> Operator {
+        Operator::start(cp, database_url, namespace, &[("PRISM_LEADER_ELECTION", "true"), ("POD_NAME", pod)]).await
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }

@@ -233,7 +233,7 @@ impl ElectionStore {
             .step("read the session's live registration")?)
     }
 
-    /// What a heartbeat answers, in one indexed read.
+    /// What a heartbeat answers: held in memory while current (`roles`), else one indexed read.
     #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn live_role(&self, namespace: &str, session_id: &str) -> Result<Option<LiveRole>, ElectionError> {
         let Some(roles) = &self.roles else { return self.read_live_role(namespace, session_id).await };
