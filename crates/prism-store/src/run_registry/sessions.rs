@@ -167,22 +167,25 @@ table.insert(fields, tostring(redis.call('PTTL', KEYS[1])))
 return fields
 "#;
 
-// KEYS: session, retired, identity. ARGV: token_hash, capabilities or "", capacity or "",
-// draining ("1"/"0", or "": as it was). The heartbeat: check the token and the epoch as
-// CHECK does, store what the snapshot changed, renew the lease, and return only what the
-// reply needs: {epoch, lease_ms, drain_changed (1/0)}, or a status word. Four commands
-// in the steady case (EVALSHA, HMGET, GET, PEXPIRE): one read of the hash, a write only
-// when the Run's snapshot changed, and no `last_heartbeat_ms` write: the lease is renewed
-// to `lease_ms`, so the last heartbeat is when the TTL was last full (`SessionFields`).
+// KEYS: session, retired. ARGV: token_hash, capabilities or "", capacity or "", draining
+// ("1"/"0", or "": as it was). The heartbeat: check the token, store what the snapshot
+// changed, renew the lease, and return only what the reply needs: {epoch, lease_ms,
+// drain_changed (1/0)}, or a status word. Three commands in the steady case (EVALSHA,
+// HMGET, PEXPIRE): one read of the hash, a write only when the Run's snapshot changed, and
+// no `last_heartbeat_ms` write: the lease is renewed to `lease_ms`, so the last heartbeat
+// is when the TTL was last full (`SessionFields`).
+//
+// Unlike CHECK it does not compare the session's epoch with the identity key's: the two
+// cannot differ while the session exists. Only HELLO and FENCE write the identity key, and
+// each does so in the same script that ends every session of another epoch (HELLO
+// replaces the session, FENCE deletes it), on the same slot, replicated as one unit. The
+// comparison cost a GET on every heartbeat (issue 23: commands per heartbeat <= 4); claims
+// and steps (CHECK) keep it, as a second look where a job is at stake.
 const RENEW: &str = r#"
 local s = redis.call('HMGET', KEYS[1], 'token_hash', 'epoch', 'lease_ms', 'draining', 'capabilities', 'capacity')
 if s[1] ~= ARGV[1] then
   if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 'superseded' end
   return 'expired'
-end
-if s[2] ~= redis.call('GET', KEYS[3]) then
-  redis.call('DEL', KEYS[1])
-  return 'revoked'
 end
 local set = {}
 if ARGV[2] ~= '' and ARGV[2] ~= s[5] then
@@ -673,8 +676,8 @@ impl SessionStore {
         (self.key(a, "session"), self.key(a, "retired"), self.key(a, "identity"))
     }
 
-    /// A script that checks a token (CHECK, RENEW): the address's session keys and the
-    /// token's hash, its first argument.
+    /// CHECK's invocation: the address's session keys and the token's hash, its first
+    /// argument.
     fn token_script<'s>(&self, script: &'s Script, a: &RunAddress, token_hash: &str) -> redis::ScriptInvocation<'s> {
         let (session, retired, identity) = self.session_keys(a);
         let mut call = script.key(session);
@@ -790,7 +793,7 @@ impl SessionStore {
     }
 
     /// A heartbeat: checks the token, stores the snapshot's changes and renews the lease,
-    /// in one script of four commands (see RENEW).
+    /// in one script of three commands (see RENEW).
     #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
     pub async fn renew(
         &self,
@@ -799,8 +802,9 @@ impl SessionStore {
         r: Renewal<'_>,
     ) -> Result<TokenCheck<Lease>, RegistryError> {
         let mut conn = self.conn.clone();
-        let out: Value = self
-            .token_script(&self.renew, a, token_hash)
+        let mut call = self.renew.key(self.key(a, "session"));
+        call.key(self.key(a, "retired")).arg(token_hash);
+        let out: Value = call
             .arg(r.capabilities.map(to_json).unwrap_or_default())
             .arg(r.capacity.map(to_json).unwrap_or_default())
             .arg(r.draining.map(|d| if d { "1" } else { "0" }).unwrap_or_default())
