@@ -9,6 +9,12 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
+/// How long a row changed behind the operator's back (a database restored from a backup,
+/// a hand-edited row: a change no NOTIFY tells of) may go unseen by what a replica holds
+/// in memory instead of reading: the agents' held roles and the RunSessions' mirrored
+/// identities. Every change the operator makes is told at once; this only bounds the rest.
+pub const UNNOTIFIED_CHANGE_BOUND: Duration = Duration::from_secs(600);
+
 use crate::election::ReleaseReason;
 use crate::election::registration::{NewRegistration, ProjectView, Pruned, Quota, RegisterOutcome, Registration};
 use crate::run::{Fenced, IdentitySpec, Mirror, Reaped, RunAddress};

@@ -11,11 +11,12 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use chrono::Utc;
+use kube::ResourceExt;
 use kube::runtime::controller::Action;
 use serde_json::Value;
 use uuid::Uuid;
 
-use super::registration::{ORPHAN_GRACE, next_slot};
+use super::registration::{ORPHAN_GRACE, next_slot, project_slot};
 use super::{Context, reconcile, retain, run_reaper, run_registry_watch};
 use crate::crd::{
     AgentSurface, ControllerRegistration, ControllerRegistrationSpec, OWNER_ANNOTATION, PROJECT_LABEL,
@@ -109,15 +110,15 @@ async fn the_first_registration_of_a_project_is_its_master_and_comes_back_in_its
     assert_eq!(condition(&status, "Master"), ("True", "Elected"));
     assert_eq!(condition(&status, "Stale"), ("False", "HeartbeatFresh"));
     assert_eq!(server.event_reasons(), ["BecameMaster"]);
-    // A live registration comes back in its own slot of the status heartbeat.
-    let id = uid_of(&r1);
+    // A live registration comes back in its project's slot of the status heartbeat.
+    let slot = project_slot(&r1.namespace().unwrap_or_default(), &r1.spec.project_id);
     // Slots are whole milliseconds: the reconcile's clock falls in one of the
     // milliseconds from `before`'s to `after`'s, which may be one more than their
     // difference rounded down (0.7998 → 0.8001 is 0 ms apart but two slots).
     let slots: Vec<Action> = (0..=(after - before).num_milliseconds() + 1)
-        .map(|ms| Action::requeue(next_slot(HEARTBEAT_EVERY, id, before + chrono::Duration::milliseconds(ms))))
+        .map(|ms| Action::requeue(next_slot(HEARTBEAT_EVERY, slot, before + chrono::Duration::milliseconds(ms))))
         .collect();
-    assert!(slots.contains(&action), "{action:?} is not the registration's slot");
+    assert!(slots.contains(&action), "{action:?} is not the registration's project's slot");
     assert_eq!(*metrics.reconciles.lock().expect("metrics"), [("controllerregistration".to_string(), false)]);
 }
 

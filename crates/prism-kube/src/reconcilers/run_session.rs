@@ -74,7 +74,7 @@ pub(crate) fn identity_of(obj: &RunSession) -> Result<IdentitySpec, ControllerEr
 }
 
 /// How long an identity mirrored unchanged is not read again (`MirrorMemo`).
-pub const MIRROR_MEMO_TTL: Duration = Duration::from_secs(600);
+pub const MIRROR_MEMO_TTL: Duration = prism_core::store::UNNOTIFIED_CHANGE_BOUND;
 
 /// The identities this replica mirrored and owns, with their epoch. A live Run's
 /// RunSession is reconciled once a lease, and each reconcile read its identity row to

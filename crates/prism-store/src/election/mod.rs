@@ -4,6 +4,7 @@
 
 pub mod heartbeat;
 pub mod roles;
+pub mod shared_reads;
 pub mod store;
 
 pub use prism_core::election::rules;

@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use super::ElectionError;
 use super::roles::LiveRoles;
+use super::shared_reads::{self, SharedReads};
 use crate::db::{QueryError, Step, text_enum};
 use crate::refresh::{self, NamespacedName};
 use prism_core::election::{AgentSurface, ReleaseReason};
@@ -124,6 +125,8 @@ pub struct ElectionStore {
     /// Heartbeats' roles held in memory while the process hears every change (`roles`);
     /// None: every heartbeat reads Postgres.
     roles: Option<LiveRoles>,
+    /// Reads of a project asked for at once, made once.
+    project_reads: SharedReads<(String, String), ProjectView>,
 }
 
 /// How long a namespace's count of live registrations is used before it is counted again.
@@ -137,7 +140,7 @@ impl ElectionStore {
     pub fn with_quotas(pool: PgPool, quotas: Quotas) -> Self {
         let namespace_counts =
             moka::sync::Cache::builder().max_capacity(10_000).time_to_live(NAMESPACE_COUNT_TTL).build();
-        Self { pool, quotas, namespace_counts, roles: None }
+        Self { pool, quotas, namespace_counts, roles: None, project_reads: SharedReads::new(shared_reads::GATHER) }
     }
 
     /// Answers heartbeats' roles from `roles` when it may (see `roles`), and tells it of
@@ -262,9 +265,16 @@ impl ElectionStore {
     }
 
     /// Term, master and live registrations of a project (master first, then by succession),
-    /// in one read when the project has live registrations.
+    /// in one read when the project has live registrations. Callers asking for the same
+    /// project at once (its registrations' reconciles) share a read that starts after each
+    /// of them asked (`shared_reads`).
     #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
+        let key = (namespace.to_string(), project_id.to_string());
+        self.project_reads.read(key, || self.read_project(namespace, project_id)).await
+    }
+
+    async fn read_project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
         #[derive(sqlx::FromRow)]
         struct LiveWithTerm {
             #[sqlx(flatten)]
