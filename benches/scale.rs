@@ -204,21 +204,26 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     // windows of 2.
     let served = Arc::new(Served::default());
     let http = support::http();
-    let rs_api: Api<RunSession> = Api::namespaced(client.clone(), &live.ns);
-    let t = Instant::now();
-    let (mut tasks, window_runs) = start_runs(&rs_api, &live.op.base, &http, n, CONCURRENCY, &served).await;
-    println!("   {} RunSessions created and said hello in {:.1}s", n + CONCURRENCY, t.elapsed().as_secs_f64());
+    // The registrations' sessions heartbeat from now on, as their agents would: creating
+    // the RunSessions takes longer than the stale threshold from 30,000 on (27 min), and
+    // registrations nobody heartbeats would be swept meanwhile.
     let token = support::agent_token(cp, &live.ns, "bench", &["create"]).await;
     let every = agent_heartbeat();
+    let mut agents = Vec::with_capacity(n);
     for k in 0..n {
         let (http, base, token, ns, served) =
             (http.clone(), live.op.base.clone(), token.clone(), live.ns.clone(), served.clone());
         let phase = every * k as u32 / n as u32;
-        tasks.0.push(
+        agents.push(
             tokio::spawn(heartbeat_agent(http, base, token, ns, format!("conv-{k}"), phase, every, served))
                 .abort_handle(),
         );
     }
+    let rs_api: Api<RunSession> = Api::namespaced(client.clone(), &live.ns);
+    let t = Instant::now();
+    let (mut tasks, window_runs) = start_runs(&rs_api, &live.op.base, &http, n, CONCURRENCY, &served).await;
+    println!("   {} RunSessions created and said hello in {:.1}s", n + CONCURRENCY, t.elapsed().as_secs_f64());
+    tasks.0.extend(agents);
     // Every Run's phase turns Online within a lease of its hello (the reconciler's
     // requeue): that burst is not the steady state.
     tokio::time::sleep(Duration::from_secs(35)).await;
