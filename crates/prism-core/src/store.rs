@@ -48,7 +48,8 @@ pub trait Elections: Send + Sync + 'static {
     fn get(&self, id: Uuid) -> impl Future<Output = Result<Option<Registration>, Self::Error>> + Send;
     /// Enters a registration (idempotent for its id); the election runs in the same step.
     fn register(&self, new: &NewRegistration) -> impl Future<Output = Result<RegisterOutcome, Self::Error>> + Send;
-    /// The project's term, master and live registrations.
+    /// The project's term, master and live registrations, from a read that starts after
+    /// the call (calls for the same project at once may share it).
     fn project(
         &self,
         namespace: &str,

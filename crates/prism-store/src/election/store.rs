@@ -125,7 +125,7 @@ pub struct ElectionStore {
     /// Heartbeats' roles held in memory while the process hears every change (`roles`);
     /// None: every heartbeat reads Postgres.
     roles: Option<LiveRoles>,
-    /// Reads of a project asked for at once, made once.
+    /// Reads of a project asked for at once by the reconcilers, made once.
     project_reads: SharedReads<(String, String), ProjectView>,
 }
 
@@ -264,17 +264,19 @@ impl ElectionStore {
         .step("heartbeat: read the session's role")?)
     }
 
-    /// Term, master and live registrations of a project (master first, then by succession),
-    /// in one read when the project has live registrations. Callers asking for the same
-    /// project at once (its registrations' reconciles) share a read that starts after each
-    /// of them asked (`shared_reads`).
-    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
-    pub async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
+    /// `project`, shared by the callers that ask for the same project at once (its
+    /// registrations' reconciles, at their shared slot and after a role change): a read
+    /// that starts after each of them asked, `shared_reads::GATHER` later. For the
+    /// reconcilers; the API's callers, who wait on the answer, read at once.
+    pub async fn project_gathered(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
         let key = (namespace.to_string(), project_id.to_string());
-        self.project_reads.read(key, || self.read_project(namespace, project_id)).await
+        self.project_reads.read(key, || self.project(namespace, project_id)).await
     }
 
-    async fn read_project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
+    /// Term, master and live registrations of a project (master first, then by succession),
+    /// in one read when the project has live registrations.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
+    pub async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
         #[derive(sqlx::FromRow)]
         struct LiveWithTerm {
             #[sqlx(flatten)]
@@ -1238,7 +1240,7 @@ impl prism_core::store::Elections for ElectionStore {
     }
 
     async fn project(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
-        ElectionStore::project(self, namespace, project_id).await
+        ElectionStore::project_gathered(self, namespace, project_id).await
     }
 
     async fn release(&self, id: Uuid, reason: ReleaseReason) -> Result<bool, ElectionError> {
