@@ -566,3 +566,59 @@ async fn a_postgres_restart_mid_run_converges_without_a_double_master() {
     })
     .await;
 }
+
+/// Issue 23: every status heartbeat reconciles each live registration, and each reconcile
+/// reads its whole project. A project's registrations share a slot, so they come back
+/// together and share one read: two projects of ten cost Postgres about two project reads
+/// per period, not twenty.
+#[tokio::test]
+async fn a_projects_registrations_share_one_read_per_status_heartbeat() {
+    const PERIOD: u64 = 10;
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "slots").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[("PRISM_STATUS_HEARTBEAT_SECONDS", "10")]).await;
+    let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
+    // (reconciles of registrations, project reads made) as the operator counts them.
+    let counted = || async {
+        let text = support::http().get(format!("{}/metrics", op.base)).send().await.expect("metrics");
+        let text = text.text().await.expect("metrics body");
+        let value = |prefix: &str, label: &str| {
+            text.lines()
+                .find(|l| l.starts_with(prefix) && l.contains(label))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or(0.0) as i64
+        };
+        (value("prism_reconciles_total", "controllerregistration"), value("prism_controller_project_reads_total", ""))
+    };
+    for project in ["ALPHA", "BETA"] {
+        for i in 0..10 {
+            let name = format!("{}-{i}", project.to_lowercase());
+            let reg = creg(&name, project, &format!("{project}-s{i}"), AgentSurface::ClaudeCode);
+            api.create(&PostParams::default(), &reg).await.expect("create");
+        }
+    }
+    eventually(30, "all 20 have a role", || async {
+        let list = api.list(&Default::default()).await.ok()?;
+        let live = list.items.iter().filter(|r| r.status.as_ref().is_some_and(|s| s.role != Role::Pending)).count();
+        (live == 20).then_some(())
+    })
+    .await;
+    // Created a moment apart, a project's registrations meet at their slot within two
+    // periods.
+    tokio::time::sleep(std::time::Duration::from_secs(2 * PERIOD + 2)).await;
+    let (reconciled_before, reads_before) = counted().await;
+    let periods = 4;
+    tokio::time::sleep(std::time::Duration::from_secs(periods * PERIOD)).await;
+    let (reconciled, reads) = counted().await;
+    let (reconciled, reads) = (reconciled - reconciled_before, reads - reads_before);
+    // Every period refreshes every live registration (a window of 4 periods holds 4 or 5
+    // of a project's slots).
+    assert!(reconciled >= 20 * periods as i64, "{reconciled} reconciles of 20 registrations in {periods} periods");
+    // Each reading on its own: 20 reads a period. Shared: one per project per slot.
+    assert!(
+        (2 * periods as i64 - 2..=2 * (periods as i64 + 1)).contains(&reads),
+        "{reads} project reads for {reconciled} reconciles of 2 projects of 10 in {periods} status heartbeats"
+    );
+}

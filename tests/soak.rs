@@ -894,10 +894,18 @@ async fn the_fault_harness() {
     say("load stops; the Runs finish the queue");
     stop.store(true, Ordering::Relaxed);
     let mut acknowledged: Vec<(String, String)> = Vec::new();
-    for a in http_agents {
-        acknowledged.extend(a.await.expect("agent"));
+    // Each of them stops within a call (30 s at most) of being told: a harness that waits
+    // longer fails saying so rather than hanging CI.
+    let agents_done = tokio::time::timeout(Duration::from_secs(90), futures::future::join_all(http_agents))
+        .await
+        .expect("the HTTP agents stop within 90 s of the load's end");
+    for a in agents_done {
+        acknowledged.extend(a.expect("agent"));
     }
-    let _ = dispatcher_task.await;
+    tokio::time::timeout(Duration::from_secs(90), dispatcher_task)
+        .await
+        .expect("the dispatcher stops within 90 s of the load's end")
+        .expect("dispatcher");
     let mcp = tokio::time::timeout(Duration::from_secs(120), mcp.wait_with_output())
         .await
         .expect("the MCP agents end within 120 s of their time")
@@ -932,8 +940,10 @@ async fn the_fault_harness() {
         .await
     };
     all_done.store(true, Ordering::Relaxed);
-    for r in run_tasks {
-        let _ = r.await;
+    let stopping: Vec<_> = run_tasks.iter().map(|r| r.abort_handle()).collect();
+    if tokio::time::timeout(Duration::from_secs(90), futures::future::join_all(run_tasks)).await.is_err() {
+        stopping.iter().for_each(|r| r.abort());
+        tally.unexpected("a Run was still busy 90 s after the queue drained (a call that never ended)".to_string());
     }
 
     // What the load saw.

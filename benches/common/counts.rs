@@ -33,6 +33,9 @@ pub struct PgActivity {
     /// Entries read by each index and rows by each table's sequential scans
     /// (pg_stat_user_indexes, pg_stat_user_tables): which one a large read is.
     pub reads: BTreeMap<String, i64>,
+    /// Scans started on each index and sequential scans of each table: which queries
+    /// the transactions are (most reads here are one scan of one index).
+    pub scans: BTreeMap<String, i64>,
 }
 
 impl PgActivity {
@@ -45,13 +48,15 @@ impl PgActivity {
             )
             .fetch_one(pool)
             .await?;
-        let reads: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT 'index ' || indexrelname, idx_tup_read FROM pg_stat_user_indexes
+        let counted: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT 'index ' || indexrelname, idx_tup_read, idx_scan FROM pg_stat_user_indexes
              UNION ALL
-             SELECT 'seq scan ' || relname, seq_tup_read FROM pg_stat_user_tables",
+             SELECT 'seq scan ' || relname, seq_tup_read, seq_scan FROM pg_stat_user_tables",
         )
         .fetch_all(pool)
         .await?;
+        let reads = counted.iter().map(|(name, read, _)| (name.clone(), *read)).collect();
+        let scans = counted.into_iter().map(|(name, _, scans)| (name, scans)).collect();
         Ok(PgActivity {
             xact_commit,
             xact_rollback,
@@ -60,7 +65,8 @@ impl PgActivity {
             tup_inserted,
             tup_updated,
             tup_deleted,
-            reads: reads.into_iter().collect(),
+            reads,
+            scans,
         })
     }
 
@@ -92,7 +98,23 @@ impl PgActivity {
                 .map(|(k, v)| (k.clone(), v - before.reads.get(k).copied().unwrap_or(0)))
                 .filter(|(_, v)| *v > 0)
                 .collect(),
+            scans: self
+                .scans
+                .iter()
+                .map(|(k, v)| (k.clone(), v - before.scans.get(k).copied().unwrap_or(0)))
+                .filter(|(_, v)| *v > 0)
+                .collect(),
         }
+    }
+
+    /// "index a 41.7, index b 16.7, seq scan t 0.1": the `n` indexes and tables scanned
+    /// most, in scans per `ops`.
+    pub fn busiest_scans(&self, n: usize, ops: f64) -> String {
+        let mut scans: Vec<(&String, &i64)> = self.scans.iter().collect();
+        scans.sort_by(|a, b| b.1.cmp(a.1));
+        let top: Vec<String> =
+            scans.iter().take(n).map(|(name, count)| format!("{name} {:.1}", **count as f64 / ops.max(1.0))).collect();
+        top.join(", ")
     }
 
     /// "1.00 transactions, 2.0 rows fetched, 1.0 rows written per op". Rows fetched are
@@ -421,5 +443,17 @@ apiserver_request_total{code="201",component="apiserver",dry_run="",group="event
         let before = PgActivity { reads: [("index a".to_string(), 4)].into(), ..Default::default() };
         assert_eq!(scans.since(&before).reads, [("index a".to_string(), 6), ("seq scan t".to_string(), 40)].into());
         assert_eq!(a.since(&a), PgActivity::default());
+    }
+
+    #[test]
+    fn busiest_scans_ranks_the_indexes_scanned_most() {
+        let before = PgActivity { scans: [("index a".to_string(), 100)].into(), ..Default::default() };
+        let after = PgActivity {
+            scans: [("index a".to_string(), 110), ("index b".to_string(), 50), ("seq scan t".to_string(), 2)].into(),
+            ..Default::default()
+        };
+        let window = after.since(&before);
+        assert_eq!(window.busiest_scans(2, 10.0), "index b 5.0, index a 1.0");
+        assert_eq!(window.busiest_scans(8, 10.0), "index b 5.0, index a 1.0, seq scan t 0.2");
     }
 }

@@ -68,8 +68,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let (api_registry, controller_registry) = (registry_on(&api_pool), registry_on(&controller_pool));
     // Both stores answer heartbeats' roles from what the listener keeps, and tell it of their commits.
-    let controller_election =
-        ElectionStore::with_quotas(controller_pool.clone(), quotas).with_live_roles(signals.live_roles());
+    let controller_election = ElectionStore::with_quotas(controller_pool.clone(), quotas)
+        .with_live_roles(signals.live_roles())
+        .counting_project_reads(metrics.project_reads.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     // The Lease is handed back only after the API has answered its waiting claims and
     // ended its streams (SPEC §11): until then this replica still leads, and the

@@ -43,6 +43,9 @@ pub struct Metrics {
     pub heartbeat_flushes: Counter,
     /// Agents' roles read from Postgres; the other heartbeats were answered from memory.
     pub role_reads: Counter,
+    /// Project views the reconcilers read from Postgres; reconciles of one project at once
+    /// share a read (`shared_reads`).
+    pub project_reads: Counter,
     pub claim_seconds: Histogram,
     pub claims_waiting: Gauge,
     election_events: Family<CauseLabels, Gauge>,
@@ -82,6 +85,7 @@ impl Default for Metrics {
         let heartbeats = Counter::default();
         let heartbeat_flushes = Counter::default();
         let role_reads = Counter::default();
+        let project_reads = Counter::default();
         let claim_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
         let claims_waiting = Gauge::default();
         let election_events = Family::<CauseLabels, Gauge>::default();
@@ -146,6 +150,11 @@ impl Default for Metrics {
             "Agents' roles read from Postgres for an answer (the others came from memory)",
             role_reads.clone(),
         );
+        registry.register(
+            "controller_project_reads",
+            "Project views the reconcilers read from Postgres (a project's registrations reconciled together share one)",
+            project_reads.clone(),
+        );
         Self {
             registry,
             reconciles,
@@ -154,6 +163,7 @@ impl Default for Metrics {
             heartbeats,
             heartbeat_flushes,
             role_reads,
+            project_reads,
             claim_seconds,
             claims_waiting,
             election_events,

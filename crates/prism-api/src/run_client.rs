@@ -75,6 +75,13 @@ pub fn read_key(path: &Path) -> Result<SigningKey, ClientError> {
 /// it, and that heartbeat would fail. Dropped at 5 s, the next call opens a fresh one.
 pub const POOL_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How long one call of a Run may take before it fails (a long-poll claim: this beyond its
+/// wait). Without a bound, a call that is never answered (a replica hung mid-answer, a
+/// connection lost without a reset) holds the Run forever while its lease runs out. (The
+/// fault harness hung once after its load, every task idle: the Runs' calls were the only
+/// waits in it that nothing bounded.)
+pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 fn client_builder() -> reqwest::ClientBuilder {
     crate::install_crypto_provider();
     reqwest::Client::builder().pool_idle_timeout(POOL_IDLE_TIMEOUT)
@@ -199,7 +206,8 @@ impl RunClient {
     }
 
     pub async fn post_hello(&self, body: &Value) -> Result<Granted, ClientError> {
-        answer(self.http.post(format!("{}/api/v1/runtime/hello", self.base)).json(body).send().await?).await
+        let hello = self.http.post(format!("{}/api/v1/runtime/hello", self.base)).json(body).timeout(CALL_TIMEOUT);
+        answer(hello.send().await?).await
     }
 
     /// Proves possession of the key and keeps the session token.
@@ -229,6 +237,7 @@ impl RunClient {
             .post(format!("{}/api/v1/runtime/heartbeat", self.base))
             .bearer_auth(self.token()?)
             .json(&body)
+            .timeout(CALL_TIMEOUT)
             .send()
             .await?;
         answer(r).await
@@ -253,6 +262,7 @@ impl RunClient {
             .post(format!("{}/api/v1/runtime/jobs/claim", self.base))
             .bearer_auth(self.token()?)
             .json(&body)
+            .timeout(CALL_TIMEOUT + std::time::Duration::from_secs(wait_seconds))
             .send()
             .await?;
         answer(r).await
@@ -260,8 +270,11 @@ impl RunClient {
 
     /// `action` is `ack`, `progress` or `complete`.
     pub async fn step(&self, job: &uuid::Uuid, action: &str, body: Option<Value>) -> Result<Job, ClientError> {
-        let mut req =
-            self.http.post(format!("{}/api/v1/runtime/jobs/{job}/{action}", self.base)).bearer_auth(self.token()?);
+        let mut req = self
+            .http
+            .post(format!("{}/api/v1/runtime/jobs/{job}/{action}", self.base))
+            .bearer_auth(self.token()?)
+            .timeout(CALL_TIMEOUT);
         if let Some(b) = body {
             req = req.json(&b);
         }

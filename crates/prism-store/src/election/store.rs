@@ -127,6 +127,8 @@ pub struct ElectionStore {
     roles: Option<LiveRoles>,
     /// Reads of a project asked for at once by the reconcilers, made once.
     project_reads: SharedReads<(String, String), ProjectView>,
+    /// Counts the reads `project_gathered` makes (`prism_controller_project_reads_total`).
+    project_reads_made: Option<prometheus_client::metrics::counter::Counter>,
 }
 
 /// How long a namespace's count of live registrations is used before it is counted again.
@@ -140,7 +142,20 @@ impl ElectionStore {
     pub fn with_quotas(pool: PgPool, quotas: Quotas) -> Self {
         let namespace_counts =
             moka::sync::Cache::builder().max_capacity(10_000).time_to_live(NAMESPACE_COUNT_TTL).build();
-        Self { pool, quotas, namespace_counts, roles: None, project_reads: SharedReads::new(shared_reads::GATHER) }
+        Self {
+            pool,
+            quotas,
+            namespace_counts,
+            roles: None,
+            project_reads: SharedReads::new(shared_reads::GATHER),
+            project_reads_made: None,
+        }
+    }
+
+    /// Counts in `made` the project reads `project_gathered` makes (the rest were shared).
+    pub fn counting_project_reads(mut self, made: prometheus_client::metrics::counter::Counter) -> Self {
+        self.project_reads_made = Some(made);
+        self
     }
 
     /// Answers heartbeats' roles from `roles` when it may (see `roles`), and tells it of
@@ -270,7 +285,14 @@ impl ElectionStore {
     /// reconcilers; the API's callers, who wait on the answer, read at once.
     pub async fn project_gathered(&self, namespace: &str, project_id: &str) -> Result<ProjectView, ElectionError> {
         let key = (namespace.to_string(), project_id.to_string());
-        self.project_reads.read(key, || self.project(namespace, project_id)).await
+        self.project_reads
+            .read(key, || {
+                if let Some(made) = &self.project_reads_made {
+                    made.inc();
+                }
+                self.project(namespace, project_id)
+            })
+            .await
     }
 
     /// Term, master and live registrations of a project (master first, then by succession),
