@@ -482,20 +482,10 @@ async fn steady_state(
 /// The operator's own counts (its /metrics): registration reconciles, project reads made,
 /// agents' role reads made.
 async fn operator_counts(op: &support::Operator) -> (f64, f64, f64) {
-    let text = match support::http().get(op.url("/metrics")).send().await {
-        Ok(r) => r.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
-    };
-    let value = |prefix: &str, label: &str| {
-        text.lines()
-            .find(|l| l.starts_with(prefix) && l.contains(label))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
     (
-        value("prism_reconciles_total", "controllerregistration"),
-        value("prism_controller_project_reads_total", ""),
-        value("prism_controller_role_reads_total", ""),
+        support::metric_value(op, "prism_reconciles_total", "controllerregistration").await,
+        support::metric_value(op, "prism_controller_project_reads_total", "").await,
+        support::metric_value(op, "prism_controller_role_reads_total", "").await,
     )
 }
 

@@ -582,15 +582,8 @@ async fn a_projects_registrations_share_one_read_per_status_heartbeat() {
     let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
     // (reconciles of registrations, project reads made) as the operator counts them.
     let counted = || async {
-        let text = support::http().get(format!("{}/metrics", op.base)).send().await.expect("metrics");
-        let text = text.text().await.expect("metrics body");
-        let value = |prefix: &str, label: &str| {
-            text.lines()
-                .find(|l| l.starts_with(prefix) && l.contains(label))
-                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .unwrap_or(0.0) as i64
-        };
-        (value("prism_reconciles_total", "controllerregistration"), value("prism_controller_project_reads_total", ""))
+        let reconciles = support::metric_value(&op, "prism_reconciles_total", "controllerregistration").await;
+        (reconciles as i64, support::metric_value(&op, "prism_controller_project_reads_total", "").await as i64)
     };
     for project in ["ALPHA", "BETA"] {
         for i in 0..10 {

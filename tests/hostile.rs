@@ -736,11 +736,7 @@ async fn held_roles_answer_without_postgres_and_follow_another_replicas_change()
     let beat = |session: &str| {
         post(&a, &agent, "/api/v1/controller/heartbeat", json!({"namespace": ns, "session_id": session}))
     };
-    let role_reads = || async {
-        let text = http().get(a.url("/metrics")).send().await.expect("metrics").text().await.expect("text");
-        let line = text.lines().find(|l| l.starts_with("prism_controller_role_reads_total ")).expect("the counter");
-        line.rsplit(' ').next().and_then(|n| n.parse::<u64>().ok()).expect("a count")
-    };
+    let role_reads = || async { support::metric_value(&a, "prism_controller_role_reads_total", "").await as u64 };
     for round in 0..3 {
         let project = format!("P{round}");
         let old = format!("s-old-{round}");

@@ -38,6 +38,11 @@ pub struct PgActivity {
     pub scans: BTreeMap<String, i64>,
 }
 
+/// What grew of each counter since `before`.
+fn grown(now: &BTreeMap<String, i64>, before: &BTreeMap<String, i64>) -> BTreeMap<String, i64> {
+    now.iter().map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0))).filter(|(_, v)| *v > 0).collect()
+}
+
 impl PgActivity {
     /// The counters of the database `pool` is connected to, as published so far.
     pub async fn read(pool: &sqlx::PgPool) -> Result<PgActivity, sqlx::Error> {
@@ -92,18 +97,8 @@ impl PgActivity {
             tup_inserted: self.tup_inserted - before.tup_inserted,
             tup_updated: self.tup_updated - before.tup_updated,
             tup_deleted: self.tup_deleted - before.tup_deleted,
-            reads: self
-                .reads
-                .iter()
-                .map(|(k, v)| (k.clone(), v - before.reads.get(k).copied().unwrap_or(0)))
-                .filter(|(_, v)| *v > 0)
-                .collect(),
-            scans: self
-                .scans
-                .iter()
-                .map(|(k, v)| (k.clone(), v - before.scans.get(k).copied().unwrap_or(0)))
-                .filter(|(_, v)| *v > 0)
-                .collect(),
+            reads: grown(&self.reads, &before.reads),
+            scans: grown(&self.scans, &before.scans),
         }
     }
 

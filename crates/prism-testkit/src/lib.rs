@@ -627,6 +627,21 @@ pub async fn metric_line(op: &Operator, line: &str) -> String {
     .await
 }
 
+/// The value of the operator's metric `name` (a counter's `_total`, a gauge) on the first
+/// line of it whose labels contain `labels` ("" for one without labels); 0 when there is
+/// none yet.
+pub async fn metric_value(op: &Operator, name: &str, labels: &str) -> f64 {
+    let text = match http().get(op.url("/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(e) => panic!("GET /metrics: {e}"),
+    };
+    text.lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{')))
+        .find(|l| l.contains(labels))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
 /// Polls the named object until `pred` holds for it; returns it (fails the test after
 /// `secs` seconds).
 pub async fn wait_for<K>(api: &Api<K>, name: &str, secs: u64, what: &str, pred: impl Fn(&K) -> bool) -> K
