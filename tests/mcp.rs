@@ -367,6 +367,70 @@ async fn bad_input_and_missing_rights_are_refused_with_codes_and_change_nothing(
     assert_eq!(registrations(&db, &ns).await, 0, "no row was written");
 }
 
+/// The gate answers a plain `tools/call` itself (issue 23: rmcp's stateless service cost
+/// a service, a serve loop and two tasks per call). Its answer on the wire is the SDK's:
+/// the same call with an `Accept` the gate leaves to the SDK (a `q=` parameter) gets the
+/// same status, headers, envelope and result, in both generations; a call the SDK would
+/// refuse (a standard header that does not match) is still the SDK's refusal; the counter
+/// says which path answered.
+#[tokio::test]
+async fn the_gates_direct_answer_is_the_sdks_answer() {
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "mcp-direct").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
+    support::register(&op, &token, &ns, "PID-DIRECT", "s-direct", "claude_code").await;
+    let http = support::http();
+    const PLAIN: &str = "application/json, text/event-stream";
+    const WEIGHTED: &str = "application/json;q=1, text/event-stream;q=0.9";
+    let call = |modern: bool, accept: &'static str, name: &'static str, tool: &'static str| {
+        let mut params = json!({"name": tool, "arguments": {"namespace": ns, "session_id": "s-direct"}});
+        let mut req = http.post(mcp_url(&op)).bearer_auth(&token).header("accept", accept);
+        if modern {
+            params["_meta"] = json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                "io.modelcontextprotocol/clientCapabilities": {},
+                "io.modelcontextprotocol/clientInfo": {"name": "cursor-vscode", "version": "1"}});
+            req = req
+                .header("mcp-protocol-version", "2026-07-28")
+                .header("mcp-method", "tools/call")
+                .header("mcp-name", name);
+        } else {
+            req = req.header("mcp-protocol-version", "2025-11-25");
+        }
+        let req = req.json(&json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": params}));
+        async move {
+            let r = req.send().await.expect("POST /mcp");
+            let status = r.status().as_u16();
+            let content_type = r.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+            let body: Value = r.json().await.expect("a JSON answer");
+            (status, content_type, body)
+        }
+    };
+    for modern in [false, true] {
+        let direct = call(modern, PLAIN, "prism_heartbeat", "prism_heartbeat").await;
+        let sdk = call(modern, WEIGHTED, "prism_heartbeat", "prism_heartbeat").await;
+        assert_eq!(direct.0, 200, "modern={modern}: {:#}", direct.2);
+        assert_eq!(direct.2["result"]["isError"], false, "{:#}", direct.2);
+        assert_eq!(direct.2["result"]["structuredContent"]["role"], "Master", "{:#}", direct.2);
+        assert_eq!(direct, sdk, "modern={modern}: the direct answer differs from the SDK's");
+        // What the SDK refuses, the gate leaves to it: a name header for another tool.
+        if modern {
+            let (status, _, body) = call(true, PLAIN, "prism_status", "prism_heartbeat").await;
+            assert_eq!(status, 400, "{body:#}");
+            assert_eq!(body["error"]["code"], -32020, "{body:#}");
+        }
+        // An unknown tool: the SDK's JSON-RPC error, whichever path the headers ask for.
+        let unknown = call(modern, PLAIN, "prism_nope", "prism_nope").await;
+        assert_eq!(unknown, call(modern, WEIGHTED, "prism_nope", "prism_nope").await);
+        assert_eq!(unknown.2["error"]["code"], -32602, "{:#}", unknown.2);
+    }
+    let counted = |via: &'static str| support::metric_value(&op, "prism_mcp_tool_calls_total", via);
+    assert_eq!(counted("tool=\"prism_heartbeat\",via=\"direct\"").await, 2.0);
+    assert_eq!(counted("tool=\"prism_heartbeat\",via=\"sdk\"").await, 2.0);
+}
+
 #[tokio::test]
 async fn two_replicas_answer_one_client_alternately() {
     let cp = control_plane().await;

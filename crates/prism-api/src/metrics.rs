@@ -56,6 +56,7 @@ pub struct Metrics {
     job_cancellations: Family<ReasonLabels, Gauge>,
     pub job_dispatch_seconds: Histogram,
     job_attempts: Family<OutcomeLabels, Counter>,
+    mcp_tool_calls: Family<ToolCallLabels, Counter>,
     up: Family<DependencyLabels, Gauge>,
 }
 
@@ -72,6 +73,13 @@ pub struct ReasonLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
+}
+
+/// Static strings: counted on every MCP tool call, so no allocation for the labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ToolCallLabels {
+    pub tool: &'static str,
+    pub via: &'static str,
 }
 
 impl Default for Metrics {
@@ -96,6 +104,7 @@ impl Default for Metrics {
         let job_cancellations = Family::<ReasonLabels, Gauge>::default();
         let job_dispatch_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 20));
         let job_attempts = Family::<OutcomeLabels, Counter>::default();
+        let mcp_tool_calls = Family::<ToolCallLabels, Counter>::default();
         let up = Family::<DependencyLabels, Gauge>::default();
         registry.register(
             "runtime_claim_duration_seconds",
@@ -155,6 +164,11 @@ impl Default for Metrics {
             "Project views the reconcilers read from Postgres (a project's registrations reconciled together share one)",
             project_reads.clone(),
         );
+        registry.register(
+            "mcp_tool_calls",
+            "MCP tool calls by tool, answered by the /mcp gate itself (via=direct) or through the MCP SDK (via=sdk)",
+            mcp_tool_calls.clone(),
+        );
         Self {
             registry,
             reconciles,
@@ -174,6 +188,7 @@ impl Default for Metrics {
             job_cancellations,
             job_dispatch_seconds,
             job_attempts,
+            mcp_tool_calls,
             up,
         }
     }
@@ -216,6 +231,11 @@ impl Metrics {
         for (reason, n) in &census.cancelled {
             self.job_cancellations.get_or_create(&ReasonLabels { reason: reason.clone() }).set(*n);
         }
+    }
+
+    /// An MCP tool call, by tool and by the path that answered it (`mcp::direct`).
+    pub fn mcp_tool_called(&self, tool: &'static str, via: &'static str) {
+        self.mcp_tool_calls.get_or_create(&ToolCallLabels { tool, via }).inc();
     }
 
     /// The OpenMetrics text exposition.

@@ -30,6 +30,7 @@ use serde_json::Value;
 use super::auth::Caller;
 use super::{ApiError, AppState, MAX_BODY_BYTES};
 
+mod direct;
 pub mod hosts;
 pub mod resources;
 pub mod session;
@@ -58,6 +59,8 @@ type Service = StreamableHttpService<tools::PrismTools, NeverSessionManager>;
 pub struct Endpoint {
     state: Arc<AppState>,
     service: Service,
+    /// The tools the gate calls itself for a plain `tools/call` (`direct`).
+    tools: tools::PrismTools,
 }
 
 impl Endpoint {
@@ -79,7 +82,8 @@ impl Endpoint {
             Arc::new(NeverSessionManager::default()),
             config,
         );
-        Endpoint { state, service }
+        let tools = tools::PrismTools::new(state.clone());
+        Endpoint { state, service, tools }
     }
 
     pub async fn handle(&self, request: Request) -> Response {
@@ -121,8 +125,21 @@ impl Endpoint {
         let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES).await.map_err(|_| {
             *rpc_error(StatusCode::PAYLOAD_TOO_LARGE, None, ErrorData::invalid_request("request body too large", None))
         })?;
-        let peeked = parse(&bytes).map_err(|r| *r)?;
+        let mut peeked = parse(&bytes).map_err(|r| *r)?;
         let json_body = declares_json(&parts.headers);
+        if json_body
+            && let Some(message) = peeked.call.take()
+            && let Some(call) = direct::eligible(&parts.headers, message)
+        {
+            let cx = tools::CallContext {
+                caller: &caller,
+                namespace_header: tools::namespace_header(&parts.headers),
+                meta: &call.meta,
+                session: facts.as_ref(),
+            };
+            let result = self.tools.complete(call.tool, call.params.arguments, &cx, tools::Via::Direct).await;
+            return Ok(direct::answer(call.id, result, call.generation));
+        }
         // rmcp acknowledges a listen before its handler runs: where the followed projects
         // stand is read here, before, so that a change in between is notified.
         if let Some(requested) = &peeked.listen
@@ -223,12 +240,15 @@ struct Peeked {
     initialize: Option<String>,
     /// What a `subscriptions/listen` request asks to follow.
     listen: Option<SubscriptionFilter>,
+    /// A `tools/call`, parsed in full: the gate may answer it itself (`direct`).
+    call: Option<ClientJsonRpcMessage>,
 }
 
 /// Reads the body as far as the gate needs: a refusal (a JSON-RPC error, never a 5xx)
 /// for what is not JSON or not a JSON-RPC object, and the client's name for
-/// `initialize`. The full parse of every other message is rmcp's (one parse, not two, on
-/// the hot path); what rmcp then refuses becomes a JSON-RPC error too (`rewrite_refusal`).
+/// `initialize`, and a `tools/call` in full (the gate's direct path: one parse, not two, on
+/// the hot path). The full parse of every other message is rmcp's; what rmcp refuses
+/// becomes a JSON-RPC error too (`rewrite_refusal`).
 fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
     let peek: Peek = serde_json::from_slice(bytes).map_err(|e| {
         if e.is_data() {
@@ -273,7 +293,12 @@ fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
         },
         _ => None,
     };
-    Ok(Peeked { id: peek.id, initialize, listen })
+    // A call that does not parse is rmcp's to refuse, in its words.
+    let call = match peek.method.as_deref() {
+        Some("tools/call") => serde_json::from_slice::<ClientJsonRpcMessage>(bytes).ok(),
+        _ => None,
+    };
+    Ok(Peeked { id: peek.id, initialize, listen, call })
 }
 
 fn invalid_message(id: Option<RequestId>, error: &dyn std::fmt::Display) -> Refused {

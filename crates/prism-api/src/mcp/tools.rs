@@ -10,8 +10,8 @@ use std::sync::Arc;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation, InitializeResult,
     JsonObject, ListResourceTemplatesResult, ListResourcesResult, ListToolsResult, PaginatedRequestParams,
-    ReadResourceRequestParams, ReadResourceResponse, ServerCapabilities, SubscribeRequestParams, SubscriptionFilter,
-    Tool, ToolAnnotations, UnsubscribeRequestParams,
+    ReadResourceRequestParams, ReadResourceResponse, RequestMetaObject, ServerCapabilities, SubscribeRequestParams,
+    SubscriptionFilter, Tool, ToolAnnotations, UnsubscribeRequestParams,
 };
 use rmcp::service::{RequestContext, SubscriptionContext};
 use rmcp::{ErrorData, RoleServer, ServerHandler};
@@ -50,7 +50,7 @@ session's heartbeat).";
 
 /// The tools, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum ToolName {
+pub(super) enum ToolName {
     Start,
     Wrap,
     Status,
@@ -71,7 +71,7 @@ impl ToolName {
         ToolName::Job,
     ];
 
-    fn as_str(self) -> &'static str {
+    pub(super) fn as_str(self) -> &'static str {
         match self {
             ToolName::Start => "prism_start",
             ToolName::Wrap => "prism_wrap",
@@ -83,7 +83,7 @@ impl ToolName {
         }
     }
 
-    fn parse(name: &str) -> Option<ToolName> {
+    pub(super) fn parse(name: &str) -> Option<ToolName> {
         Self::ALL.into_iter().find(|t| t.as_str() == name)
     }
 
@@ -364,19 +364,38 @@ fn arguments<T: DeserializeOwned>(tool: ToolName, args: Option<JsonObject>) -> R
     })
 }
 
+/// Which path answered a tool call (counted in `prism_mcp_tool_calls_total`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Via {
+    /// The gate itself (`direct`).
+    Direct,
+    /// rmcp's service.
+    Sdk,
+}
+
+impl Via {
+    fn as_str(self) -> &'static str {
+        match self {
+            Via::Direct => "direct",
+            Via::Sdk => "sdk",
+        }
+    }
+}
+
 /// What a call knows about who is calling.
-struct CallContext<'a> {
-    caller: &'a Caller,
-    namespace_header: Option<&'a str>,
-    context: &'a RequestContext<RoleServer>,
-    session: Option<&'a SessionFacts>,
+pub(super) struct CallContext<'a> {
+    pub caller: &'a Caller,
+    pub namespace_header: Option<&'a str>,
+    /// The request's `_meta` (its `clientInfo` in the stateless revision).
+    pub meta: &'a RequestMetaObject,
+    pub session: Option<&'a SessionFacts>,
 }
 
 impl CallContext<'_> {
     /// The client's `clientInfo.name`: per request in the stateless revision, from the
     /// signed session id in the session-based ones. Read only by prism_start.
     fn client_name(&self) -> Option<String> {
-        self.context.meta.client_info().map(|c| c.name).or_else(|| self.session.map(|f| f.client_name.clone()))
+        self.meta.client_info().map(|c| c.name).or_else(|| self.session.map(|f| f.client_name.clone()))
     }
 }
 
@@ -470,6 +489,22 @@ pub struct PrismTools {
 impl PrismTools {
     pub fn new(state: Arc<AppState>) -> Self {
         PrismTools { state }
+    }
+
+    /// A known tool's call, refusals included, as its result: what `call_tool` answers
+    /// through rmcp and the gate's direct path (`direct`) answers without it.
+    pub(super) async fn complete(
+        &self,
+        tool: ToolName,
+        args: Option<JsonObject>,
+        cx: &CallContext<'_>,
+        via: Via,
+    ) -> CallToolResult {
+        self.state.metrics.mcp_tool_called(tool.as_str(), via.as_str());
+        match self.call(tool, args, cx).await {
+            Ok(answer) => render(answer),
+            Err(e) => tool_error(&e),
+        }
     }
 
     async fn call(&self, tool: ToolName, args: Option<JsonObject>, cx: &CallContext<'_>) -> Result<Answer, ApiError> {
@@ -786,7 +821,7 @@ impl ServerHandler for PrismTools {
         context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
         let (caller, parts) = authenticated(&context)?;
-        let namespace = resolve_namespace(None, namespace_header(parts), caller).ok();
+        let namespace = resolve_namespace(None, namespace_header(&parts.headers), caller).ok();
         let cursor = request.as_ref().and_then(|r| r.cursor.as_deref());
         resources::list(&self.state, caller, namespace, cursor).await.map_err(|e| resources::rpc_error(&e))
     }
@@ -862,15 +897,11 @@ impl ServerHandler for PrismTools {
         let (caller, parts) = authenticated(&context)?;
         let cx = CallContext {
             caller,
-            namespace_header: namespace_header(parts),
-            context: &context,
+            namespace_header: namespace_header(&parts.headers),
+            meta: &context.meta,
             session: parts.extensions.get::<SessionFacts>(),
         };
-        let result = match self.call(tool, request.arguments, &cx).await {
-            Ok(answer) => render(answer),
-            Err(e) => tool_error(&e),
-        };
-        Ok(CallToolResponse::Complete(result))
+        Ok(CallToolResponse::Complete(self.complete(tool, request.arguments, &cx, Via::Sdk).await))
     }
 }
 
@@ -884,8 +915,8 @@ fn authenticated(context: &RequestContext<RoleServer>) -> Result<(&Caller, &axum
     }
 }
 
-fn namespace_header(parts: &axum::http::request::Parts) -> Option<&str> {
-    parts.headers.get(NAMESPACE_HEADER).and_then(|v| v.to_str().ok())
+pub(super) fn namespace_header(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers.get(NAMESPACE_HEADER).and_then(|v| v.to_str().ok())
 }
 
 fn peer_of(parts: &axum::http::request::Parts) -> Option<std::net::IpAddr> {
