@@ -724,7 +724,12 @@ pub async fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &s
     let account = serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": namespace}});
     let subject = serde_json::json!({"kind": "ServiceAccount", "name": sa, "namespace": namespace});
     bind(cp, namespace, sa, subject, resource, verbs, Some(account)).await;
-    cp.kubectl_ok(&["create", "token", sa, "-n", namespace, "--audience", AGENT_AUDIENCE]).await.trim().to_string()
+    // Six hours, not the default one: a scale bench at 30,000 runs longer than an hour, and
+    // its agents' heartbeats after the first were refused as expired (run K, BENCHMARKS.md).
+    cp.kubectl_ok(&["create", "token", sa, "-n", namespace, "--audience", AGENT_AUDIENCE, "--duration", "6h"])
+        .await
+        .trim()
+        .to_string()
 }
 
 /// One more Role for ServiceAccount `sa` (made by `sa_token`): `verbs` on `resource`.
