@@ -48,10 +48,11 @@ pub(super) struct DirectCall {
 /// The call, if rmcp would hand this message straight to the tool: see the module's
 /// comment. `headers` are the request's; the body was declared JSON (checked by the gate).
 pub(super) fn eligible(headers: &HeaderMap, message: ClientJsonRpcMessage) -> Option<DirectCall> {
-    let ClientJsonRpcMessage::Request(JsonRpcRequest { id, request, .. }) = message else {
+    let ClientJsonRpcMessage::Request(JsonRpcRequest { id, mut request, .. }) = message else {
         return None;
     };
-    let meta = request.get_meta().clone();
+    // Taken, not cloned: the request is consumed here (as rmcp moves it into its context).
+    let meta = std::mem::take(request.get_meta_mut());
     let ClientRequest::CallToolRequest(call) = request else {
         return None;
     };

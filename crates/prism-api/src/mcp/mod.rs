@@ -271,33 +271,23 @@ fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(invalid_message(None, &"a message is one JSON object"));
     }
-    let initialize = match peek.method.as_deref() {
-        Some("initialize") => match serde_json::from_slice::<ClientJsonRpcMessage>(bytes) {
+    // The three methods the gate reads further are parsed in full, once. A malformed
+    // initialize is refused here; a malformed listen or call is rmcp's to refuse, in its
+    // words (the gate only reads what a good one asks).
+    let (mut initialize, mut listen, mut call) = (None, None, None);
+    if let Some(method @ ("initialize" | "subscriptions/listen" | "tools/call")) = peek.method.as_deref() {
+        match serde_json::from_slice::<ClientJsonRpcMessage>(bytes) {
             Ok(ClientJsonRpcMessage::Request(request)) => match request.request {
-                ClientRequest::InitializeRequest(init) => Some(init.params.client_info.name),
-                _ => None,
+                ClientRequest::InitializeRequest(init) => initialize = Some(init.params.client_info.name),
+                ClientRequest::SubscriptionsListenRequest(l) => listen = Some(l.params.notifications),
+                ClientRequest::CallToolRequest(_) => call = Some(ClientJsonRpcMessage::Request(request)),
+                _ => {}
             },
-            Ok(_) => None,
-            Err(e) => return Err(invalid_message(peek.id, &e)),
-        },
-        _ => None,
-    };
-    // A malformed listen is rmcp's to refuse; the gate only reads what a good one asks.
-    let listen = match peek.method.as_deref() {
-        Some("subscriptions/listen") => match serde_json::from_slice::<ClientJsonRpcMessage>(bytes) {
-            Ok(ClientJsonRpcMessage::Request(request)) => match request.request {
-                ClientRequest::SubscriptionsListenRequest(listen) => Some(listen.params.notifications),
-                _ => None,
-            },
-            _ => None,
-        },
-        _ => None,
-    };
-    // A call that does not parse is rmcp's to refuse, in its words.
-    let call = match peek.method.as_deref() {
-        Some("tools/call") => serde_json::from_slice::<ClientJsonRpcMessage>(bytes).ok(),
-        _ => None,
-    };
+            Ok(_) => {}
+            Err(e) if method == "initialize" => return Err(invalid_message(peek.id, &e)),
+            Err(_) => {}
+        }
+    }
     Ok(Peeked { id: peek.id, initialize, listen, call })
 }
 
