@@ -426,9 +426,25 @@ async fn the_gates_direct_answer_is_the_sdks_answer() {
         assert_eq!(unknown, call(modern, WEIGHTED, "prism_nope", "prism_nope").await);
         assert_eq!(unknown.2["error"]["code"], -32602, "{:#}", unknown.2);
     }
+    // A field the direct path does not read (here an unknown one) leaves the call to the
+    // SDK, which answers it as the direct path answers the plain call.
+    let plain = call(false, PLAIN, "prism_heartbeat", "prism_heartbeat").await;
+    let extra = http
+        .post(mcp_url(&op))
+        .bearer_auth(&token)
+        .header("accept", PLAIN)
+        .header("mcp-protocol-version", "2025-11-25")
+        .json(&json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "x-trace": "t1", "params": {
+            "name": "prism_heartbeat", "arguments": {"namespace": ns, "session_id": "s-direct"}}}))
+        .send()
+        .await
+        .expect("POST /mcp");
+    let status = extra.status().as_u16();
+    let content_type = extra.headers().get("content-type").and_then(|v| v.to_str().ok()).map(str::to_string);
+    assert_eq!((status, content_type, extra.json::<Value>().await.expect("a JSON answer")), plain);
     let counted = |via: &'static str| support::metric_value(&op, "prism_mcp_tool_calls_total", via);
-    assert_eq!(counted("tool=\"prism_heartbeat\",via=\"direct\"").await, 2.0);
-    assert_eq!(counted("tool=\"prism_heartbeat\",via=\"sdk\"").await, 2.0);
+    assert_eq!(counted("tool=\"prism_heartbeat\",via=\"direct\"").await, 3.0);
+    assert_eq!(counted("tool=\"prism_heartbeat\",via=\"sdk\"").await, 3.0);
 }
 
 #[tokio::test]

@@ -17,9 +17,10 @@ use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ClientJsonRpcMessage, ClientRequest, GetMeta,
-    JsonRpcRequest, ProtocolVersion, RequestId, ServerJsonRpcMessage, ServerResult,
+    CallToolRequestMethod, CallToolResponse, CallToolResult, JsonObject, JsonRpcVersion2_0, ProtocolVersion, RequestId,
+    RequestMetaObject, ServerJsonRpcMessage, ServerResult,
 };
+use serde::Deserialize;
 
 use super::tools::ToolName;
 
@@ -36,32 +37,57 @@ pub(super) enum Generation {
     PerRequest,
 }
 
+/// A `tools/call` as the direct path reads it, straight into these fields: rmcp's own
+/// parse buffers the whole message (an untagged enum of flattened types) to find its
+/// shape, then reads it again, and was the largest part of the JSON an MCP call cost.
+/// The fields are the ones rmcp reads for a call, with rmcp's own types where a value's
+/// reading matters (the `"2.0"`, the method, the id); a message with any other field —
+/// an input-required retry's `inputResponses`, anything unknown — or one of these
+/// repeated is not read here and goes to rmcp whole.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ToolCall {
+    #[serde(rename = "jsonrpc")]
+    _jsonrpc: JsonRpcVersion2_0,
+    id: RequestId,
+    #[serde(rename = "method")]
+    _method: CallToolRequestMethod,
+    params: ToolCallParams,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ToolCallParams {
+    name: String,
+    #[serde(default)]
+    arguments: Option<JsonObject>,
+    #[serde(rename = "_meta", default)]
+    meta: Option<JsonObject>,
+}
+
+impl ToolCall {
+    /// The message, if it is a plain `tools/call` (see the type's comment).
+    pub(super) fn read(body: &[u8]) -> Option<Self> {
+        serde_json::from_slice(body).ok()
+    }
+}
+
 /// A `tools/call` the gate answers itself.
 pub(super) struct DirectCall {
     pub id: RequestId,
     pub tool: ToolName,
     pub generation: Generation,
-    pub params: CallToolRequestParams,
-    pub meta: rmcp::model::RequestMetaObject,
+    pub arguments: Option<JsonObject>,
+    pub meta: RequestMetaObject,
 }
 
 /// The call, if rmcp would hand this message straight to the tool: see the module's
 /// comment. `headers` are the request's; the body was declared JSON (checked by the gate).
-pub(super) fn eligible(headers: &HeaderMap, message: ClientJsonRpcMessage) -> Option<DirectCall> {
-    let ClientJsonRpcMessage::Request(JsonRpcRequest { id, mut request, .. }) = message else {
-        return None;
-    };
-    // Taken, not cloned: the request is consumed here (as rmcp moves it into its context).
-    let meta = std::mem::take(request.get_meta_mut());
-    let ClientRequest::CallToolRequest(call) = request else {
-        return None;
-    };
-    let params = call.params;
-    // Input-required retries are rmcp's (none of these tools asks for input).
-    if params.input_responses.is_some() || params.request_state.is_some() {
-        return None;
-    }
+pub(super) fn eligible(headers: &HeaderMap, call: ToolCall) -> Option<DirectCall> {
+    let ToolCall { id, params, .. } = call;
     let tool = ToolName::parse(&params.name)?;
+    // rmcp keeps an absent `_meta` as an empty one.
+    let meta = params.meta.map(RequestMetaObject::from).unwrap_or_default();
     if !accepts_json_and_event_stream(headers) {
         return None;
     }
@@ -89,7 +115,7 @@ pub(super) fn eligible(headers: &HeaderMap, message: ClientJsonRpcMessage) -> Op
         }
         _ => return None,
     };
-    Some(DirectCall { id, tool, generation, params, meta })
+    Some(DirectCall { id, tool, generation, arguments: params.arguments, meta })
 }
 
 /// The JSON-RPC answer to a direct call, shaped as rmcp shapes a tool's result.
@@ -155,16 +181,20 @@ mod tests {
     use axum::http::HeaderValue;
     use serde_json::{Value, json};
 
-    fn message(value: Value) -> ClientJsonRpcMessage {
-        serde_json::from_value(value).expect("a message")
+    fn read(value: &Value) -> Option<ToolCall> {
+        ToolCall::read(value.to_string().as_bytes())
     }
 
-    fn call(meta: Option<Value>, name: &str) -> ClientJsonRpcMessage {
+    fn call_message(meta: Option<Value>, name: &str) -> Value {
         let mut params = json!({"name": name, "arguments": {"session_id": "s"}});
         if let Some(meta) = meta {
             params["_meta"] = meta;
         }
-        message(json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params}))
+        json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params})
+    }
+
+    fn call(meta: Option<Value>, name: &str) -> ToolCall {
+        read(&call_message(meta, name)).expect("a plain tools/call")
     }
 
     fn modern_meta() -> Value {
@@ -209,7 +239,7 @@ mod tests {
             eligible(&headers(&modern_headers()), call(Some(modern_meta()), "prism_heartbeat")).expect("direct");
         assert_eq!(direct.generation, Generation::PerRequest);
         assert_eq!(direct.meta.client_info().map(|c| c.name).as_deref(), Some("claude-code"));
-        assert_eq!(direct.params.arguments.and_then(|a| a.get("session_id").cloned()), Some(json!("s")));
+        assert_eq!(direct.arguments.and_then(|a| a.get("session_id").cloned()), Some(json!("s")));
     }
 
     #[test]
@@ -242,12 +272,45 @@ mod tests {
         assert!(eligible(&weighted, call(None, "prism_heartbeat")).is_none());
         let one_kind = headers(&[("accept", "application/json")]);
         assert!(eligible(&one_kind, call(None, "prism_heartbeat")).is_none());
-        // An unknown tool, another method, a notification.
+        // An unknown tool.
         assert!(eligible(&headers(&[ACCEPT]), call(None, "prism_nope")).is_none());
-        let list = message(json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}));
-        assert!(eligible(&headers(&[ACCEPT]), list).is_none());
-        let note = message(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}));
-        assert!(eligible(&headers(&[ACCEPT]), note).is_none());
+    }
+
+    #[test]
+    fn only_a_plain_tools_call_is_read_the_rest_is_rmcps() {
+        assert!(read(&call_message(None, "prism_heartbeat")).is_some());
+        let absent_meta_and_arguments = json!({"jsonrpc": "2.0", "id": "a", "method": "tools/call",
+            "params": {"name": "prism_status", "arguments": null, "_meta": null}});
+        let call = read(&absent_meta_and_arguments).expect("null is absent, as rmcp reads it");
+        let direct = eligible(&headers(&[ACCEPT]), call).expect("direct");
+        assert_eq!(
+            (direct.id, direct.arguments, direct.meta),
+            (RequestId::String("a".into()), None, Default::default())
+        );
+        // Another method, a notification, another version, no id or a null one.
+        for other in [
+            json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
+            json!({"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "prism_status"}}),
+            json!({"jsonrpc": "1.0", "id": 1, "method": "tools/call", "params": {"name": "prism_status"}}),
+            json!({"jsonrpc": "2.0", "id": null, "method": "tools/call", "params": {"name": "prism_status"}}),
+            json!({"jsonrpc": "2.0", "id": 1.5, "method": "tools/call", "params": {"name": "prism_status"}}),
+            json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call"}),
+        ] {
+            assert!(read(&other).is_none(), "{other}");
+        }
+        // A field the path does not read, at either level: an input-required retry,
+        // a stray `result`, anything unknown.
+        for (at_params, field) in
+            [(true, "inputResponses"), (true, "requestState"), (true, "x"), (false, "result"), (false, "x")]
+        {
+            let mut message = call_message(None, "prism_heartbeat");
+            let target = if at_params { &mut message["params"] } else { &mut message };
+            target[field] = json!({});
+            assert!(read(&message).is_none(), "{message}");
+        }
+        // A field repeated.
+        let twice = br#"{"jsonrpc":"2.0","id":1,"id":2,"method":"tools/call","params":{"name":"prism_status"}}"#;
+        assert!(ToolCall::read(twice).is_none());
     }
 
     #[test]

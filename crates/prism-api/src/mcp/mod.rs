@@ -137,7 +137,7 @@ impl Endpoint {
                 meta: &call.meta,
                 session: facts.as_ref(),
             };
-            let result = self.tools.complete(call.tool, call.params.arguments, &cx, tools::Via::Direct).await;
+            let result = self.tools.complete(call.tool, call.arguments, &cx, tools::Via::Direct).await;
             return Ok(direct::answer(call.id, result, call.generation));
         }
         // rmcp acknowledges a listen before its handler runs: where the followed projects
@@ -240,15 +240,15 @@ struct Peeked {
     initialize: Option<String>,
     /// What a `subscriptions/listen` request asks to follow.
     listen: Option<SubscriptionFilter>,
-    /// A `tools/call`, parsed in full: the gate may answer it itself (`direct`).
-    call: Option<ClientJsonRpcMessage>,
+    /// A plain `tools/call`, read: the gate may answer it itself (`direct`).
+    call: Option<direct::ToolCall>,
 }
 
 /// Reads the body as far as the gate needs: a refusal (a JSON-RPC error, never a 5xx)
 /// for what is not JSON or not a JSON-RPC object, and the client's name for
-/// `initialize`, and a `tools/call` in full (the gate's direct path: one parse, not two, on
-/// the hot path). The full parse of every other message is rmcp's; what rmcp refuses
-/// becomes a JSON-RPC error too (`rewrite_refusal`).
+/// `initialize`, and a plain `tools/call` in full (the gate's direct path answers it
+/// without rmcp's parse). The full parse of every other message is rmcp's; what rmcp
+/// refuses becomes a JSON-RPC error too (`rewrite_refusal`).
 fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
     let peek: Peek = serde_json::from_slice(bytes).map_err(|e| {
         if e.is_data() {
@@ -271,16 +271,20 @@ fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(invalid_message(None, &"a message is one JSON object"));
     }
-    // The three methods the gate reads further are parsed in full, once. A malformed
+    // The methods the gate reads further are parsed in full, once: a call into the
+    // direct path's own fields, the two others as rmcp reads them. A malformed
     // initialize is refused here; a malformed listen or call is rmcp's to refuse, in its
     // words (the gate only reads what a good one asks).
-    let (mut initialize, mut listen, mut call) = (None, None, None);
-    if let Some(method @ ("initialize" | "subscriptions/listen" | "tools/call")) = peek.method.as_deref() {
+    let (mut initialize, mut listen) = (None, None);
+    let call = match peek.method.as_deref() {
+        Some("tools/call") => direct::ToolCall::read(bytes),
+        _ => None,
+    };
+    if let Some(method @ ("initialize" | "subscriptions/listen")) = peek.method.as_deref() {
         match serde_json::from_slice::<ClientJsonRpcMessage>(bytes) {
             Ok(ClientJsonRpcMessage::Request(request)) => match request.request {
                 ClientRequest::InitializeRequest(init) => initialize = Some(init.params.client_info.name),
                 ClientRequest::SubscriptionsListenRequest(l) => listen = Some(l.params.notifications),
-                ClientRequest::CallToolRequest(_) => call = Some(ClientJsonRpcMessage::Request(request)),
                 _ => {}
             },
             Ok(_) => {}
