@@ -8,7 +8,9 @@
 //! two tokens of one user with different groups are two identities.
 
 use std::collections::BTreeMap;
+use std::hash::{BuildHasher, RandomState};
 use std::net::IpAddr;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
@@ -34,21 +36,77 @@ const KNOWN_TTL: Duration = Duration::from_secs(600);
 /// The audience `kubectl create token … --audience` gives agents (SPEC §12).
 pub const DEFAULT_AUDIENCE: &str = "prism-operator";
 
-/// Who made the request, as the API server told us.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Caller {
+/// Who made the request, as the API server told us. Shared, not copied: every request
+/// takes its caller from the token cache and puts it into its authorization question,
+/// and a service account's identity is a dozen strings (its groups, its token's extra).
+#[derive(Clone, Debug)]
+pub struct Caller(Arc<Fingerprinted>);
+
+/// The identity itself, and a hash of it taken once: the decision cache hashes its key
+/// on every look-up.
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub struct Identity {
     pub username: String,
     pub uid: Option<String>,
     pub groups: Vec<String>,
     pub extra: BTreeMap<String, Vec<String>>,
 }
 
+struct Fingerprinted {
+    identity: Identity,
+    fingerprint: u64,
+}
+
+impl Caller {
+    pub fn new(
+        username: String,
+        uid: Option<String>,
+        groups: Vec<String>,
+        extra: BTreeMap<String, Vec<String>>,
+    ) -> Self {
+        static KEYS: OnceLock<RandomState> = OnceLock::new();
+        let identity = Identity { username, uid, groups, extra };
+        let fingerprint = KEYS.get_or_init(RandomState::new).hash_one(&identity);
+        Caller(Arc::new(Fingerprinted { identity, fingerprint }))
+    }
+}
+
+impl std::ops::Deref for Caller {
+    type Target = Identity;
+    fn deref(&self) -> &Identity {
+        &self.0.identity
+    }
+}
+
+impl std::fmt::Debug for Fingerprinted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.identity.fmt(f)
+    }
+}
+
+/// Equal identities are equal callers, whichever token brought them (two tokens of one
+/// identity share its decisions).
+impl PartialEq for Caller {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+            || (self.0.fingerprint == other.0.fingerprint && self.0.identity == other.0.identity)
+    }
+}
+
+impl Eq for Caller {}
+
+impl std::hash::Hash for Caller {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.0.fingerprint);
+    }
+}
+
 /// One authorization question, asked by one whole identity.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Question {
     caller: Caller,
-    verb: String,
-    resource: String,
+    verb: &'static str,
+    resource: &'static str,
     namespace: String,
     name: Option<String>,
 }
@@ -107,12 +165,12 @@ fn accepted(status: &k8s_openapi::api::authentication::v1::TokenReviewStatus, wa
     }
     let user = status.user.as_ref()?;
     let username = user.username.clone().filter(|u| !u.is_empty())?;
-    Some(Caller {
+    Some(Caller::new(
         username,
-        uid: user.uid.clone(),
-        groups: user.groups.clone().unwrap_or_default(),
-        extra: user.extra.clone().unwrap_or_default(),
-    })
+        user.uid.clone(),
+        user.groups.clone().unwrap_or_default(),
+        user.extra.clone().unwrap_or_default(),
+    ))
 }
 
 impl Authorizer {
@@ -165,8 +223,8 @@ impl Authorizer {
     pub async fn authorize(
         &self,
         caller: &Caller,
-        verb: &str,
-        resource: &str,
+        verb: &'static str,
+        resource: &'static str,
         namespace: &str,
     ) -> Result<(), ApiError> {
         self.authorize_named(caller, verb, resource, namespace, None).await
@@ -176,8 +234,8 @@ impl Authorizer {
     pub async fn authorize_named(
         &self,
         caller: &Caller,
-        verb: &str,
-        resource: &str,
+        verb: &'static str,
+        resource: &'static str,
         namespace: &str,
         name: Option<&str>,
     ) -> Result<(), ApiError> {
@@ -197,15 +255,15 @@ impl Authorizer {
     pub async fn allowed(
         &self,
         caller: &Caller,
-        verb: &str,
-        resource: &str,
+        verb: &'static str,
+        resource: &'static str,
         namespace: &str,
         name: Option<&str>,
     ) -> Result<bool, ApiError> {
         let key = Question {
             caller: caller.clone(),
-            verb: verb.to_string(),
-            resource: resource.to_string(),
+            verb,
+            resource,
             namespace: namespace.to_string(),
             name: name.map(str::to_string),
         };
@@ -255,7 +313,7 @@ mod tests {
     fn a_token_is_accepted_only_for_an_audience_asked_for() {
         let wanted = vec![DEFAULT_AUDIENCE.to_string()];
         assert_eq!(
-            accepted(&status(true, &["prism-operator"], "alice"), &wanted).map(|c| c.username),
+            accepted(&status(true, &["prism-operator"], "alice"), &wanted).map(|c| c.username.clone()),
             Some("alice".into())
         );
         assert_eq!(accepted(&status(true, &["https://kubernetes.default.svc"], "alice"), &wanted), None);
@@ -266,25 +324,23 @@ mod tests {
 
     #[test]
     fn two_tokens_of_one_user_with_other_groups_are_two_questions() {
-        let alice = |groups: &[&str]| Caller {
-            username: "alice".into(),
-            uid: Some("u1".into()),
-            groups: groups.iter().map(|g| g.to_string()).collect(),
-            extra: BTreeMap::new(),
+        let caller = |groups: &[&str], extra: &[(&str, &str)]| {
+            let extra = extra.iter().map(|(k, v)| (k.to_string(), vec![v.to_string()])).collect();
+            Caller::new("alice".into(), Some("u1".into()), groups.iter().map(|g| g.to_string()).collect(), extra)
         };
+        let alice = |groups: &[&str]| caller(groups, &[]);
         let q = |caller: Caller| Question {
             caller,
-            verb: "create".into(),
-            resource: "controllerregistrations".into(),
+            verb: "create",
+            resource: "controllerregistrations",
             namespace: "ns".into(),
             name: None,
         };
         let cache: Cache<Question, bool> = Cache::builder().max_capacity(10).build();
         cache.insert(q(alice(&["admins"])), true);
-        assert_eq!(cache.get(&q(alice(&["admins"]))), Some(true));
+        assert_eq!(cache.get(&q(alice(&["admins"]))), Some(true), "the same identity, built again, is the same caller");
         assert_eq!(cache.get(&q(alice(&["viewers"]))), None, "another group set asks again");
-        let mut extra = alice(&["admins"]);
-        extra.extra.insert("scopes".into(), vec!["read".into()]);
+        let extra = caller(&["admins"], &[("scopes", "read")]);
         assert_eq!(cache.get(&q(extra)), None, "another extra asks again");
     }
 }

@@ -932,7 +932,7 @@ mod tests {
     use super::*;
 
     fn caller(username: &str) -> Caller {
-        Caller { username: username.into(), uid: None, groups: vec![], extra: Default::default() }
+        Caller::new(username.into(), None, vec![], Default::default())
     }
 
     #[test]
