@@ -133,6 +133,10 @@ async fn run_serves_health_and_readiness() {
     for dep in ["postgres", "runtime_registry", "kubernetes"] {
         assert_eq!(body["checks"][dep]["status"], "ok", "{dep}: {body}");
     }
+    // Transparent huge pages are off in the process (src/main.rs), as the kernel says.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", op.pid())).expect("/proc/<pid>/status");
+    let thp = status.lines().find(|l| l.starts_with("THP_enabled:")).expect("THP_enabled (Linux >= 5.0)");
+    assert_eq!(thp.split_whitespace().nth(1), Some("0"), "{thp}");
     // `run` applied every migration at start.
     let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
         .fetch_one(&db.pool)
