@@ -70,6 +70,10 @@ impl ToolCall {
     pub(super) fn read(body: &[u8]) -> Option<Self> {
         serde_json::from_slice(body).ok()
     }
+
+    pub(super) fn id(&self) -> &RequestId {
+        &self.id
+    }
 }
 
 /// A `tools/call` the gate answers itself.

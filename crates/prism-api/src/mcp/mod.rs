@@ -125,10 +125,9 @@ impl Endpoint {
         let bytes = axum::body::to_bytes(body, MAX_BODY_BYTES).await.map_err(|_| {
             *rpc_error(StatusCode::PAYLOAD_TOO_LARGE, None, ErrorData::invalid_request("request body too large", None))
         })?;
-        let mut peeked = parse(&bytes).map_err(|r| *r)?;
         let json_body = declares_json(&parts.headers);
-        if json_body
-            && let Some(message) = peeked.call.take()
+        let mut peeked = parse(&bytes, json_body).map_err(|r| *r)?;
+        if let Some(message) = peeked.call.take()
             && let Some(call) = direct::eligible(&parts.headers, message)
         {
             let cx = tools::CallContext {
@@ -248,8 +247,22 @@ struct Peeked {
 /// for what is not JSON or not a JSON-RPC object, and the client's name for
 /// `initialize`, and a plain `tools/call` in full (the gate's direct path answers it
 /// without rmcp's parse). The full parse of every other message is rmcp's; what rmcp
-/// refuses becomes a JSON-RPC error too (`rewrite_refusal`).
-fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
+/// refuses becomes a JSON-RPC error too (`rewrite_refusal`). `json_body`: the body was
+/// declared JSON, without which rmcp refuses any message (a call is then not read).
+fn parse(bytes: &Bytes, json_body: bool) -> Result<Peeked, Refused> {
+    // Serde reads a struct from an array too; a message is an object (batches are gone
+    // from the protocol since 2025-06-18).
+    let object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    // Most messages are plain calls: read once, straight into the direct path's fields
+    // (a first `Peek` of the method, then the call, read every call twice). Another
+    // method fails this read at its `method`; the reading below is then as before.
+    if object
+        && json_body
+        && let Some(call) = direct::ToolCall::read(bytes)
+    {
+        tracing::Span::current().record("mcp.method", "tools/call");
+        return Ok(Peeked { id: Some(call.id().clone()), initialize: None, listen: None, call: Some(call) });
+    }
     let peek: Peek = serde_json::from_slice(bytes).map_err(|e| {
         if e.is_data() {
             rpc_error(
@@ -266,20 +279,14 @@ fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
         let method: String = method.chars().take(64).collect();
         tracing::Span::current().record("mcp.method", method.as_str());
     }
-    // Serde reads a struct from an array too; a message is an object (batches are gone
-    // from the protocol since 2025-06-18).
-    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+    if !object {
         return Err(invalid_message(None, &"a message is one JSON object"));
     }
-    // The methods the gate reads further are parsed in full, once: a call into the
-    // direct path's own fields, the two others as rmcp reads them. A malformed
-    // initialize is refused here; a malformed listen or call is rmcp's to refuse, in its
-    // words (the gate only reads what a good one asks).
+    // The two other methods the gate reads further are parsed in full, once, as rmcp
+    // reads them. A malformed initialize is refused here; a malformed listen (or a call
+    // that is not plain) is rmcp's to refuse, in its words (the gate only reads what a
+    // good one asks).
     let (mut initialize, mut listen) = (None, None);
-    let call = match peek.method.as_deref() {
-        Some("tools/call") => direct::ToolCall::read(bytes),
-        _ => None,
-    };
     if let Some(method @ ("initialize" | "subscriptions/listen")) = peek.method.as_deref() {
         match serde_json::from_slice::<ClientJsonRpcMessage>(bytes) {
             Ok(ClientJsonRpcMessage::Request(request)) => match request.request {
@@ -292,7 +299,7 @@ fn parse(bytes: &Bytes) -> Result<Peeked, Refused> {
             Err(_) => {}
         }
     }
-    Ok(Peeked { id: peek.id, initialize, listen, call })
+    Ok(Peeked { id: peek.id, initialize, listen, call: None })
 }
 
 fn invalid_message(id: Option<RequestId>, error: &dyn std::fmt::Display) -> Refused {
@@ -346,14 +353,14 @@ mod tests {
             (b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":5}", -32600),
             (b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":7}", -32600),
         ] {
-            let err = parse(&Bytes::from_static(body)).expect_err("malformed");
+            let err = parse(&Bytes::from_static(body), true).expect_err("malformed");
             assert_eq!(err.status(), StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(body));
             let body = futures::executor::block_on(axum::body::to_bytes((*err).into_body(), 4096)).expect("body");
             let json: Value = serde_json::from_slice(&body).expect("json");
             assert_eq!(json["error"]["code"], code, "{json}");
         }
         // The rest of a message's shape is rmcp's to check; its refusal is rewritten.
-        assert!(parse(&Bytes::from_static(b"{\"jsonrpc\":\"2.0\"}")).is_ok());
+        assert!(parse(&Bytes::from_static(b"{\"jsonrpc\":\"2.0\"}"), true).is_ok());
     }
 
     #[test]
@@ -363,11 +370,30 @@ mod tests {
             "params": {"protocolVersion": "2025-11-25", "capabilities": {},
                        "clientInfo": {"name": "claude-code", "version": "2.1"}}
         });
-        let parsed = parse(&Bytes::from(body.to_string())).expect("valid");
+        let parsed = parse(&Bytes::from(body.to_string()), true).expect("valid");
         assert_eq!(parsed.initialize.as_deref(), Some("claude-code"));
         let call = serde_json::json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
-        let parsed = parse(&Bytes::from(call.to_string())).expect("valid");
+        let parsed = parse(&Bytes::from(call.to_string()), true).expect("valid");
         assert_eq!((parsed.initialize, parsed.id), (None, Some(RequestId::Number(2))));
+    }
+
+    #[test]
+    fn a_plain_call_is_read_once_and_only_as_one_json_object() {
+        let call = serde_json::json!({
+            "jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "prism_status", "arguments": {}}
+        });
+        let parsed = parse(&Bytes::from(call.to_string()), true).expect("valid");
+        assert_eq!(parsed.id, Some(RequestId::Number(7)), "the refusal's id comes from the same read");
+        assert!(parsed.call.is_some());
+        // rmcp refuses a body not declared JSON: nothing of it is read for the direct path.
+        let parsed = parse(&Bytes::from(call.to_string()), false).expect("rmcp's to refuse");
+        assert!(parsed.call.is_none());
+        assert_eq!(parsed.id, Some(RequestId::Number(7)));
+        // Serde would read the struct from an array in field order; a message is an object.
+        let array = serde_json::json!(["2.0", 7, "tools/call", {"name": "prism_status"}]);
+        let err = parse(&Bytes::from(array.to_string()), true).expect_err("not an object");
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
     }
 
     #[test]
@@ -376,12 +402,12 @@ mod tests {
             "jsonrpc": "2.0", "id": 3, "method": "subscriptions/listen",
             "params": {"notifications": {"resourceSubscriptions": ["prism://agents/projects/shop"]}}
         });
-        let parsed = parse(&Bytes::from(body.to_string())).expect("valid");
+        let parsed = parse(&Bytes::from(body.to_string()), true).expect("valid");
         let requested = parsed.listen.expect("a listen");
         assert_eq!(requested.resource_subscriptions, Some(vec!["prism://agents/projects/shop".to_string()]));
         // Malformed: rmcp refuses it; the gate reads nothing of it.
         let bad = serde_json::json!({"jsonrpc": "2.0", "id": 4, "method": "subscriptions/listen", "params": 7});
-        assert!(parse(&Bytes::from(bad.to_string())).expect("rmcp's to refuse").listen.is_none());
+        assert!(parse(&Bytes::from(bad.to_string()), true).expect("rmcp's to refuse").listen.is_none());
     }
 
     #[test]
