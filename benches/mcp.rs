@@ -8,6 +8,8 @@
 //! rounds of each round's MCP rate / HTTP rate.
 //!
 //!   scripts/bench mcp   (or: cargo bench --bench mcp, with the services up)
+//!   BENCH_MCP_ONLY=stateless scripts/bench mcp   (one kind's windows alone, http,
+//!   session or stateless: to profile the operator under that kind; no ratios then)
 
 mod common;
 use prism_testkit as support;
@@ -15,7 +17,7 @@ use prism_testkit as support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::counts::PgActivity;
+use common::counts::{PgActivity, cpu_seconds};
 use common::measure::{
     CONCURRENCY, Target, Window, interleave, judged, rate, rates, ratios, rounds, spread, window_length,
 };
@@ -159,12 +161,34 @@ async fn main() {
     // Counted over all windows of all kinds together: they share one operator and one
     // database, and Postgres publishes its counters too late to split them by window.
     let pg_before = PgActivity::settled(&db.pool).await.expect("pg_stat_database");
-    let kinds = interleave(3, rounds(), |kind, _| match kind {
-        0 => rate(http_call.clone()).boxed(),
-        1 => rate(legacy_call.clone()).boxed(),
-        _ => rate(modern_call.clone()).boxed(),
+    // Beside each window, the CPU time the operator and this bench's own clients spent in
+    // it: the clients share the machine's two cores with the operator, so a kind whose
+    // client works harder leaves the operator less, and the rates alone cannot tell whose
+    // cost a ratio is. A count per call, which the load does not move as it moves rates.
+    let (op_pid, bench_pid) = (op.pid(), std::process::id());
+    let only = std::env::var("BENCH_MCP_ONLY").ok();
+    let selected = |kind: usize| only.as_deref().is_none_or(|o| o == ["http", "session", "stateless"][kind]);
+    let measured = interleave(3, rounds(), |kind, _| {
+        let window = match kind {
+            _ if !selected(kind) => futures::future::ready(Window::default()).boxed(),
+            0 => rate(http_call.clone()).boxed(),
+            1 => rate(legacy_call.clone()).boxed(),
+            _ => rate(modern_call.clone()).boxed(),
+        };
+        async move {
+            let before = (cpu_seconds(op_pid), cpu_seconds(bench_pid));
+            let w = window.await;
+            let calls = (w.ops as f64).max(1.0);
+            let per_call = ((cpu_seconds(op_pid) - before.0) / calls, (cpu_seconds(bench_pid) - before.1) / calls);
+            (w, per_call)
+        }
     })
     .await;
+    let kinds: Vec<Vec<Window>> = measured.iter().map(|k| k.iter().map(|(w, _)| w.clone()).collect()).collect();
+    // Microseconds of CPU per call: the operator's, the clients'.
+    let cpu_us = |kind: usize, side: fn(&(f64, f64)) -> f64| -> Vec<f64> {
+        measured[kind].iter().map(|(_, c)| side(c) * 1e6).collect()
+    };
     let pg = PgActivity::settled(&db.pool).await.expect("pg_stat_database").since(&pg_before);
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let http_rates = rates(&kinds[0]);
@@ -180,6 +204,25 @@ async fn main() {
             ms(p99(windows))
         );
         println!("      ratio to HTTP  {}", judged(&ratios(&rates(windows), &http_rates), 2, Target::AtLeast(0.5)));
+    }
+    let operator = |c: &(f64, f64)| c.0;
+    let clients = |c: &(f64, f64)| c.1;
+    for (kind, name) in
+        [(0, "HTTP                      "), (1, "MCP session-based (2025-11-25)"), (2, "MCP stateless (2026-07-28)")]
+    {
+        println!(
+            "CPU per call, {name}: operator {} us, bench clients {} us",
+            spread(&cpu_us(kind, operator), 1),
+            spread(&cpu_us(kind, clients), 1)
+        );
+    }
+    // The operator's own cost of an HTTP call against an MCP one: the rate ratio the
+    // operator alone would give if nothing else used the cores.
+    for (kind, name) in [(1, "session-based"), (2, "stateless    ")] {
+        println!(
+            "operator CPU per HTTP call / per MCP call, {name}  {}",
+            spread(&ratios(&cpu_us(0, operator), &cpu_us(kind, operator)), 2)
+        );
     }
     let calls: u64 = kinds.iter().flatten().map(|w| w.ops).sum();
     println!("counted, all kinds together: {}", pg.per(calls, "heartbeat"));

@@ -48,6 +48,21 @@ pub fn listener_pool(pool: &PgPool) -> PgPool {
         .connect_lazy_with(pool.connect_options().as_ref().clone())
 }
 
+/// A connection of `pool`, for a caller that needs one connection for several steps.
+/// sqlx's `Pool::acquire` future is about 14 KB (the whole opening of a connection is
+/// in it), and an `async fn` that awaits it in place is that large on every call, even
+/// one that never gets there: a Run's heartbeat or an MCP call was moved and allocated
+/// at 15-20 KB per request for a transaction its usual path never opens. Boxed here, it
+/// costs its size only when it runs. (Queries on the pool itself are boxed by sqlx.)
+pub async fn acquire(pool: &PgPool) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, sqlx::Error> {
+    Box::pin(pool.acquire()).await
+}
+
+/// A transaction of `pool`: `Pool::begin` holds the same large future (see `acquire`).
+pub async fn begin(pool: &PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+    Box::pin(pool.begin()).await
+}
+
 /// Applies every pending migration; a second call is a no-op.
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
     MIGRATOR.run(pool).await?;
@@ -173,5 +188,46 @@ pub fn redact_url(url: &str) -> String {
             format!("{}://{}:***@{}", &url[..scheme_end], user, &url[at + 1..])
         }
         _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use uuid::Uuid;
+
+    use crate::election::{ElectionStore, NewRegistration};
+    use crate::run_registry::jobs::{JobSettings, JobStore};
+
+    /// `acquire` and `begin`: a store call that may open a transaction is a small future
+    /// on every path, not the 14-15 KB it was with sqlx's acquire in place (measured with
+    /// `-Zprint-type-sizes`: `ElectionStore::register` 15,760 bytes, `JobStore::get`
+    /// 14,688). The futures are only made, never run: no database is needed.
+    #[tokio::test]
+    async fn store_calls_that_may_open_a_transaction_are_small_futures() {
+        let pool =
+            sqlx::postgres::PgPoolOptions::new().connect_lazy("postgres://nobody@127.0.0.1:1/none").expect("lazy");
+        let election = ElectionStore::new(pool.clone());
+        let jobs = JobStore::new(pool, JobSettings::default());
+        let new = NewRegistration {
+            id: Uuid::nil(),
+            namespace: "ns".into(),
+            name: "r".into(),
+            project_id: "p".into(),
+            session_id: "s".into(),
+            surface: prism_core::election::AgentSurface::Codex,
+            owner: None,
+            through_api: true,
+        };
+        let sizes = [
+            ("ElectionStore::register", size_of_val(&election.register(&new))),
+            (
+                "ElectionStore::release",
+                size_of_val(&election.release(Uuid::nil(), prism_core::election::ReleaseReason::Wrapped)),
+            ),
+            ("JobStore::get", size_of_val(&jobs.get("ns", Uuid::nil()))),
+        ];
+        for (call, size) in sizes {
+            assert!(size < 4096, "{call} is a future of {size} bytes");
+        }
     }
 }

@@ -73,7 +73,7 @@ pub async fn announce_now<'a>(
     kind: Kind,
     resources: impl IntoIterator<Item = &'a NamespacedName>,
 ) -> Result<(), QueryError> {
-    let mut conn = pool.acquire().await.step("refresh: acquire a connection")?;
+    let mut conn = crate::db::acquire(pool).await.step("refresh: acquire a connection")?;
     announce(&mut conn, kind, resources).await
 }
 

@@ -520,7 +520,7 @@ impl ElectionStore {
             // the namespace's quota.
             self.check_namespace_quota(&new.namespace).await?;
         }
-        let mut tx = self.pool.begin().await.step("register: begin")?;
+        let mut tx = crate::db::begin(&self.pool).await.step("register: begin")?;
         match leaving {
             None => lock_project(&mut tx, &new.namespace, &new.project_id).await?,
             Some(from) => {
@@ -587,7 +587,7 @@ impl ElectionStore {
         let Some(row) = self.get(id).await?.filter(Registration::is_live) else {
             return Ok(false);
         };
-        let mut tx = self.pool.begin().await.step("release: begin")?;
+        let mut tx = crate::db::begin(&self.pool).await.step("release: begin")?;
         let (state, names) = lock_and_read(&mut tx, &row.namespace, &row.project_id).await?;
         let decision = decide(&state, &Event::Release { ids: vec![id], reason });
         write_decision(&mut tx, &row.namespace, &row.project_id, &state, &decision, &names, None).await?;
@@ -605,7 +605,7 @@ impl ElectionStore {
     /// Returns how many it released.
     #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn sweep(&self, stale_minutes: u32) -> Result<usize, ElectionError> {
-        let mut lock_conn = self.pool.acquire().await.step("sweep: acquire a connection")?;
+        let mut lock_conn = crate::db::acquire(&self.pool).await.step("sweep: acquire a connection")?;
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(SWEEP_LOCK_KEY)
             .fetch_one(&mut *lock_conn)
@@ -663,7 +663,7 @@ impl ElectionStore {
         project_id: &str,
         stale_minutes: u32,
     ) -> Result<usize, ElectionError> {
-        let mut tx = self.pool.begin().await.step("sweep: begin")?;
+        let mut tx = crate::db::begin(&self.pool).await.step("sweep: begin")?;
         let (state, names) = lock_and_read(&mut tx, namespace, project_id).await?;
         // Read again under the lock: a heartbeat may have arrived since the scan.
         let stale: Vec<Uuid> = sqlx::query_scalar(
@@ -751,7 +751,7 @@ impl ElectionStore {
         // in a transaction that says it prunes.
         let mut history = 0;
         loop {
-            let mut tx = self.pool.begin().await.step("retention: begin pruning history")?;
+            let mut tx = crate::db::begin(&self.pool).await.step("retention: begin pruning history")?;
             sqlx::query("SET LOCAL prism.pruning = 'on'").execute(&mut *tx).await.step("retention: say so")?;
             let done = sqlx::query(
                 "DELETE FROM controller_election_events WHERE id IN (

@@ -410,7 +410,7 @@ impl JobStore {
         a: &RunAddress,
         new: &NewJob,
     ) -> Result<Option<Enqueued>, RegistryError> {
-        let mut tx = self.pool.begin().await.step("enqueue: begin")?;
+        let mut tx = crate::db::begin(&self.pool).await.step("enqueue: begin")?;
         let id = Uuid::new_v4();
         if let Some(key) = &new.idempotency_key {
             let digest = new.digest();
@@ -518,7 +518,7 @@ impl JobStore {
     /// One job of `namespace` (another namespace's is no job at all).
     #[tracing::instrument(level = "debug", skip_all, fields(store = "jobs"))]
     pub async fn get(&self, namespace: &str, id: Uuid) -> Result<Option<Job>, RegistryError> {
-        let mut conn = self.pool.acquire().await.step("read a job: connect")?;
+        let mut conn = crate::db::acquire(&self.pool).await.step("read a job: connect")?;
         self.get_in(&mut conn, namespace, id).await
     }
 
