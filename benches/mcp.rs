@@ -184,11 +184,13 @@ async fn main() {
         }
     })
     .await;
-    let kinds: Vec<Vec<Window>> = measured.iter().map(|k| k.iter().map(|(w, _)| w.clone()).collect()).collect();
+    // Per kind, per round: the window, and the CPU seconds per call (operator, clients).
+    type PerCall = Vec<(f64, f64)>;
+    let (kinds, cpu): (Vec<Vec<Window>>, Vec<PerCall>) =
+        measured.into_iter().map(|kind| kind.into_iter().unzip()).unzip();
     // Microseconds of CPU per call: the operator's, the clients'.
-    let cpu_us = |kind: usize, side: fn(&(f64, f64)) -> f64| -> Vec<f64> {
-        measured[kind].iter().map(|(_, c)| side(c) * 1e6).collect()
-    };
+    let cpu_us =
+        |kind: usize, side: fn(&(f64, f64)) -> f64| -> Vec<f64> { cpu[kind].iter().map(|c| side(c) * 1e6).collect() };
     let pg = PgActivity::settled(&db.pool).await.expect("pg_stat_database").since(&pg_before);
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let http_rates = rates(&kinds[0]);
