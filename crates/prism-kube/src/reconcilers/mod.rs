@@ -6,6 +6,7 @@
 
 pub mod backoff;
 pub mod events;
+pub mod packed;
 pub mod registration;
 pub mod run_session;
 pub mod status;
@@ -34,6 +35,7 @@ use crate::crd::{ControllerRegistration, RunSession};
 use crate::time::to_k8s;
 pub use backoff::Failures;
 pub use events::EventPublisher;
+use packed::Packed;
 use prism_core::store::{Elections, Runs};
 pub use status::Written;
 
@@ -58,6 +60,8 @@ pub enum ControllerError {
     Finalizer(Box<kube::runtime::finalizer::Error<ControllerError>>),
     #[error("resource has no {0}")]
     MissingField(&'static str),
+    #[error(transparent)]
+    Unpack(#[from] packed::UnpackError),
 }
 
 impl ControllerError {
@@ -135,6 +139,7 @@ pub struct Retention {
 pub trait Reconciled:
     Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
     + HasStatus<Status: status::ObservedStatus>
+    + packed::Packable
     + Clone
     + std::fmt::Debug
     + serde::Serialize
@@ -333,65 +338,49 @@ pub async fn run_controllers<E: Elections, R: Runs>(
 ) {
     info!(namespace = namespace.as_deref().unwrap_or("<all>"), "controllers started");
     let config = kube::runtime::controller::Config::default().concurrency(ctx.reconcile_concurrency);
-    let registrations = controller_for(api_for::<ControllerRegistration>(&ctx.client, &namespace))
+    let registrations = controller_for::<ControllerRegistration>(api_for(&ctx.client, &namespace))
         .with_config(config.clone())
-        .reconcile_on(receiver_stream(receivers.registrations))
+        .reconcile_on(receiver_stream(receivers.registrations).map(|r| r.into_kind_unchecked(())))
         .reconcile_all_on(receiver_stream(receivers.all_registrations))
         .shutdown_on_signal()
-        .run(reconcile::<ControllerRegistration, E, R>, error_policy, ctx.clone())
+        .run(reconcile_cached::<ControllerRegistration, E, R>, error_policy, ctx.clone())
         .for_each(log_outcome);
-    let runsessions = controller_for(api_for::<RunSession>(&ctx.client, &namespace))
+    let runsessions = controller_for::<RunSession>(api_for(&ctx.client, &namespace))
         .with_config(config)
-        .reconcile_on(receiver_stream(receivers.run_sessions))
+        .reconcile_on(receiver_stream(receivers.run_sessions).map(|r| r.into_kind_unchecked(())))
         .reconcile_all_on(futures::stream::select(
             receiver_stream(receivers.all_run_sessions),
             receiver_stream(registry_changes),
         ))
         .shutdown_on_signal()
-        .run(reconcile::<RunSession, E, R>, error_policy, ctx.clone())
+        .run(reconcile_cached::<RunSession, E, R>, error_policy, ctx.clone())
         .for_each(log_outcome);
     futures::join!(registrations, runsessions);
 }
 
-/// A controller whose cache keeps of an object's metadata only what a reconcile reads
-/// (`own_metadata_only`) and which reconciles only on changes that matter to it: a new
-/// resource, a new generation, deletion, its finalizers (the RunSession reconciler adds
-/// its finalizer and waits for that change). Its status and label writes do not come
-/// back as reconciles; elections feed affected resources in through `Triggers`, and the
-/// periodic requeue restores a label someone removed.
-fn controller_for<K>(api: Api<K>) -> Controller<K>
-where
-    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
-{
+/// A controller whose cache keeps each object packed (`packed::Packed`: the metadata kube
+/// reads, the rest compressed, of its metadata only what a reconcile reads) and which
+/// reconciles only on changes that matter to it: a new resource, a new generation,
+/// deletion, its finalizers (the RunSession reconciler adds its finalizer and waits for
+/// that change). Its status and label writes do not come back as reconciles; elections
+/// feed affected resources in through `Triggers`, and the periodic requeue restores a
+/// label someone removed.
+fn controller_for<K: Reconciled>(api: Api<Packed<K>>) -> Controller<Packed<K>> {
     let (reader, writer) = reflector::store();
     let changes = watcher(api, watcher::Config::default())
         .default_backoff()
-        .modify(|obj: &mut K| own_metadata_only(obj.meta_mut()))
         .reflect(writer)
         .applied_objects()
         .predicate_filter(changes_that_matter, PredicateConfig::default());
     Controller::for_stream(changes, reader)
 }
 
-/// The prefix of every label and annotation the operator reads or writes.
-const OWN_PREFIX: &str = "prism.ntecdev.ai/";
-
-/// Drops from a cached object what no reconcile reads: `managedFields` (most of an
-/// object's bytes), and labels and annotations not of this operator (a `kubectl apply`
-/// leaves the whole object again in its last-applied annotation). The reconcilers read
-/// the project label and the owner and registered-by annotations, and patch only those
-/// (a merge patch of the label alone, the finalizer list whole): the resource keeps
-/// everything else.
-fn own_metadata_only(meta: &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) {
-    meta.managed_fields = None;
-    for map in [&mut meta.labels, &mut meta.annotations] {
-        if let Some(entries) = map {
-            entries.retain(|key, _| key.starts_with(OWN_PREFIX));
-            if entries.is_empty() {
-                *map = None;
-            }
-        }
-    }
+/// One reconcile of a cached object: made whole again (`Packed::unpack`), then `reconcile`.
+async fn reconcile_cached<K: Reconciled, E: Elections, R: Runs>(
+    cached: Arc<Packed<K>>,
+    ctx: Arc<Context<E, R>>,
+) -> Result<Action, ControllerError> {
+    reconcile(Arc::new(cached.unpack()?), ctx).await
 }
 
 /// What a reconcile reacts to, as a hash (see `controller_for`).
@@ -530,42 +519,6 @@ pub async fn run_registry_watch<E: Elections, R: Runs>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_cache_keeps_the_operators_own_metadata_only() {
-        use crate::crd::{OWNER_ANNOTATION, PROJECT_LABEL, REGISTERED_BY_ANNOTATION};
-        let mut meta = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-            name: Some("r".into()),
-            labels: Some([(PROJECT_LABEL.to_string(), "P".to_string()), ("app".to_string(), "x".to_string())].into()),
-            annotations: Some(
-                [
-                    (OWNER_ANNOTATION.to_string(), "alice".to_string()),
-                    (REGISTERED_BY_ANNOTATION.to_string(), "api".to_string()),
-                    ("kubectl.kubernetes.io/last-applied-configuration".to_string(), "{...}".repeat(100)),
-                ]
-                .into(),
-            ),
-            finalizers: Some(vec!["prism.ntecdev.ai/release".into(), "other/keep".into()]),
-            managed_fields: Some(vec![Default::default()]),
-            ..Default::default()
-        };
-        own_metadata_only(&mut meta);
-        assert_eq!(meta.labels, Some([(PROJECT_LABEL.to_string(), "P".to_string())].into()));
-        let annotations: Vec<&String> = meta.annotations.iter().flatten().map(|(k, _)| k).collect();
-        assert_eq!(annotations, [OWNER_ANNOTATION, REGISTERED_BY_ANNOTATION]);
-        assert_eq!(meta.managed_fields, None);
-        assert_eq!(
-            meta.finalizers.map(|f| f.len()),
-            Some(2),
-            "every finalizer stays (kube's finalizer() patches the list)"
-        );
-        let mut bare = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-            labels: Some([("app".to_string(), "x".to_string())].into()),
-            ..Default::default()
-        };
-        own_metadata_only(&mut bare);
-        assert_eq!(bare.labels, None, "no empty map kept");
-    }
 
     #[test]
     fn only_generation_deletion_and_finalizers_trigger_a_reconcile() {
