@@ -20,7 +20,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use kube::core::object::HasStatus;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::finalizer::{self, Event as Finalizer, finalizer};
@@ -371,8 +371,21 @@ fn controller_for<K: Reconciled>(api: Api<Packed<K>>) -> Controller<Packed<K>> {
         .default_backoff()
         .reflect(writer)
         .applied_objects()
-        .predicate_filter(changes_that_matter, PredicateConfig::default());
+        .predicate_filter(changes_that_matter, PredicateConfig::default())
+        .map_ok(key_only);
     Controller::for_stream(changes, reader)
+}
+
+/// What the trigger needs of a changed object: its key. kube's controller makes the
+/// scheduler's `ObjectRef` of it, kept twice while the object waits (its queue and its
+/// map: every live object waits for its next requeue), and reads the object itself from
+/// the store. The uid and resourceVersion would ride along in each copy (the key's
+/// `extra`, which no lookup compares); the predicate above has already read the uid.
+fn key_only<K: Resource>(mut obj: K) -> K {
+    let meta = obj.meta_mut();
+    meta.uid = None;
+    meta.resource_version = None;
+    obj
 }
 
 /// One reconcile of a cached object: made whole again (`Packed::unpack`), then `reconcile`.
@@ -519,6 +532,25 @@ pub async fn run_registry_watch<E: Elections, R: Runs>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_scheduler_keeps_a_key_without_uid_or_resource_version() {
+        let mut obj = crate::crd::ControllerRegistration::new(
+            "r",
+            crate::crd::ControllerRegistrationSpec {
+                project_id: "P".into(),
+                session_id: "s".into(),
+                agent_surface: crate::crd::AgentSurface::Codex,
+            },
+        );
+        obj.metadata.namespace = Some("ns".into());
+        obj.metadata.uid = Some("6f1c8a4e-0000-4000-8000-000000000001".into());
+        obj.metadata.resource_version = Some("4711".into());
+        let full = ObjectRef::from_obj(&obj);
+        let key = ObjectRef::from_obj(&key_only(obj));
+        assert_eq!(key, full, "the same object to the scheduler and the store");
+        assert_eq!((key.extra.uid, key.extra.resource_version), (None, None));
+    }
 
     #[test]
     fn only_generation_deletion_and_finalizers_trigger_a_reconcile() {
