@@ -107,7 +107,7 @@ where
     out.expect("glue finished")
 }
 
-fn registration(resource_version: &str) -> ControllerRegistration {
+pub(super) fn registration(resource_version: &str) -> ControllerRegistration {
     let mut obj = ControllerRegistration::new(
         "r",
         ControllerRegistrationSpec {

@@ -535,17 +535,7 @@ mod tests {
 
     #[test]
     fn the_scheduler_keeps_a_key_without_uid_or_resource_version() {
-        let mut obj = crate::crd::ControllerRegistration::new(
-            "r",
-            crate::crd::ControllerRegistrationSpec {
-                project_id: "P".into(),
-                session_id: "s".into(),
-                agent_surface: crate::crd::AgentSurface::Codex,
-            },
-        );
-        obj.metadata.namespace = Some("ns".into());
-        obj.metadata.uid = Some("6f1c8a4e-0000-4000-8000-000000000001".into());
-        obj.metadata.resource_version = Some("4711".into());
+        let obj = mock_api_tests::registration("4711");
         let full = ObjectRef::from_obj(&obj);
         let key = ObjectRef::from_obj(&key_only(obj));
         assert_eq!(key, full, "the same object to the scheduler and the store");

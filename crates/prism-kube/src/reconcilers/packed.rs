@@ -150,10 +150,7 @@ fn own_metadata_only(meta: &mut ObjectMeta) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{
-        AgentSurface, ControllerRegistration, ControllerRegistrationSpec, OWNER_ANNOTATION, PROJECT_LABEL,
-        REGISTERED_BY_ANNOTATION,
-    };
+    use crate::crd::{ControllerRegistration, OWNER_ANNOTATION, PROJECT_LABEL, REGISTERED_BY_ANNOTATION};
 
     #[test]
     fn the_cache_keeps_the_operators_own_metadata_only() {
@@ -188,17 +185,7 @@ mod tests {
     }
 
     fn registration() -> ControllerRegistration {
-        let mut obj = ControllerRegistration::new(
-            "reg-1",
-            ControllerRegistrationSpec {
-                project_id: "PID-1".into(),
-                session_id: "s-1".into(),
-                agent_surface: AgentSurface::Codex,
-            },
-        );
-        obj.metadata.namespace = Some("team-a".into());
-        obj.metadata.uid = Some("6f1c8a4e-0000-4000-8000-000000000001".into());
-        obj.metadata.resource_version = Some("4711".into());
+        let mut obj = crate::reconcilers::mock_api_tests::registration("4711");
         obj.metadata.generation = Some(1);
         obj.metadata.finalizers = Some(vec!["prism.ntecdev.ai/release".into()]);
         obj.metadata.labels = Some([(PROJECT_LABEL.to_string(), "PID-1".to_string())].into());
@@ -217,7 +204,7 @@ mod tests {
     fn an_object_unpacks_as_it_was_cached_and_the_cache_reads_its_metadata() {
         let obj = registration();
         let packed = Packed::pack(obj.clone()).expect("pack");
-        assert_eq!(packed.meta().name.as_deref(), Some("reg-1"));
+        assert_eq!(packed.meta().name.as_deref(), Some("r"));
         assert_eq!(packed.meta().generation, Some(1));
         assert_eq!(packed.meta().finalizers, obj.metadata.finalizers, "kube's finalizer() and the predicate read them");
         assert_eq!(packed.meta().labels, None, "the maps are packed, not kept as B-tree nodes");
@@ -233,8 +220,8 @@ mod tests {
         let packed: Packed<ControllerRegistration> = serde_json::from_str(&json).expect("packed");
         assert_eq!(packed.unpack().expect("unpack").spec.project_id, "PID-1");
         assert_eq!(
-            <Packed<ControllerRegistration> as Resource>::url_path(&(), Some("team-a")),
-            ControllerRegistration::url_path(&(), Some("team-a")),
+            <Packed<ControllerRegistration> as Resource>::url_path(&(), Some("ns")),
+            ControllerRegistration::url_path(&(), Some("ns")),
             "the same resources are watched"
         );
         assert!(serde_json::from_str::<Packed<ControllerRegistration>>(r#"{"spec": 1}"#).is_err(), "bad input fails");
