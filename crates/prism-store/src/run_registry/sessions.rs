@@ -855,46 +855,48 @@ impl SessionStore {
     #[tracing::instrument(level = "debug", skip_all, fields(store = "sessions"))]
     pub async fn count_live(&self, addresses: &[RunAddress]) -> Result<usize, RegistryError> {
         let mut live = 0;
-        for batch in addresses.chunks(COUNT_BATCH) {
-            live += self.count_live_batch(batch).await?;
-        }
-        Ok(live)
-    }
-
-    async fn count_live_batch(&self, addresses: &[RunAddress]) -> Result<usize, RegistryError> {
         match &self.conn {
             Connection::Standalone(conn) => {
-                let keys: Vec<String> = addresses.iter().map(|a| self.key(a, "session")).collect();
-                let pipe = exists_pipeline(&keys);
-                let answers = conn
-                    .clone()
-                    .req_packed_commands(&pipe, 0, keys.len())
-                    .await
-                    .step("runs online: count live sessions")?;
-                existing(answers)
+                for batch in addresses.chunks(COUNT_BATCH) {
+                    let keys: Vec<String> = batch.iter().map(|a| self.key(a, "session")).collect();
+                    let answers = conn
+                        .clone()
+                        .req_packed_commands(&exists_pipeline(&keys), 0, keys.len())
+                        .await
+                        .step("runs online: count live sessions")?;
+                    live += existing(answers)?;
+                }
             }
             Connection::Cluster(conn) => {
-                // A pipeline goes to one node: group the keys by the master of their slot.
-                // Should the slot map change in between, a moved key's answer is an
-                // error and this scrape reports nothing new (the next one will).
+                // A pipeline goes to one node: group the keys by the master of their slot,
+                // by the slot map read once per count. Should it change in between, a
+                // moved key's answer is an error and this scrape reports nothing new (the
+                // next one will).
+                if addresses.is_empty() {
+                    return Ok(0);
+                }
                 let answer: Vec<Value> = redis::cmd("CLUSTER")
                     .arg("SLOTS")
                     .query_async(&mut conn.clone())
                     .await
                     .step("runs online: read the slot map")?;
-                let keys = addresses.iter().map(|a| (address_slot(a), self.key(a, "session"))).collect();
-                let groups = by_master(&slot_ranges(&answer), keys)
-                    .map_err(|slot| RegistryError::Unavailable(format!("cluster slot {slot} has no master")))?;
-                let counts = groups.into_iter().map(|(slot, keys)| async move {
-                    let answers = conn
-                        .pipeline_to_slot(exists_pipeline(&keys), keys.len(), slot)
-                        .await
-                        .step("runs online: count live sessions on a master")?;
-                    existing(answers)
-                });
-                Ok(futures::future::try_join_all(counts).await?.into_iter().sum())
+                let ranges = slot_ranges(&answer);
+                for batch in addresses.chunks(COUNT_BATCH) {
+                    let keys = batch.iter().map(|a| (address_slot(a), self.key(a, "session"))).collect();
+                    let groups = by_master(&ranges, keys)
+                        .map_err(|slot| RegistryError::Unavailable(format!("cluster slot {slot} has no master")))?;
+                    let counts = groups.into_iter().map(|(slot, keys)| async move {
+                        let answers = conn
+                            .pipeline_to_slot(exists_pipeline(&keys), keys.len(), slot)
+                            .await
+                            .step("runs online: count live sessions on a master")?;
+                        existing(answers)
+                    });
+                    live += futures::future::try_join_all(counts).await?.into_iter().sum::<usize>();
+                }
             }
         }
+        Ok(live)
     }
 
     /// Makes `epoch` the address's current epoch (never lowering it) and ends a session
