@@ -386,7 +386,9 @@ async fn redis_down_flushed_and_operator_restarted() {
         .expect("count");
     assert_eq!(queued, 1);
     run.hello().await.expect("hello again");
-    phase(&w.api, "srv-r-run", RunPhase::Online, 5).await;
+    let back = phase(&w.api, "srv-r-run", RunPhase::Online, 5).await;
+    // The status write removes what no longer holds (a merge patch names it null).
+    assert_eq!(back.status.and_then(|s| s.unavailable_reason), None, "the outage's reason is gone");
     assert_eq!(run.claim(5).await.expect("claim").len(), 1);
     // Redis going and coming back reconciled the RunSession twice; its durable identity
     // row was not rewritten (not even its updated_at).

@@ -1,6 +1,6 @@
 //! Fakes for the fast reconcile tests (tests only; a mock, and said so): the store traits
 //! over maps in memory, and an API server that answers as kube-apiserver does for the few
-//! requests a reconcile makes (merge and server-side-apply patches, deletes, Events) and
+//! requests a reconcile makes (merge and JSON patches, deletes, Events) and
 //! records every one. The election fake applies prism-core's own rules (`decide`), so a
 //! test that registers a desktop session after a codex one sees the preemption the real
 //! store would write; what the fakes leave out (locks, retries, the context switch of
@@ -442,7 +442,7 @@ impl ApiServer {
         lock(&self.sent).clone()
     }
 
-    /// The status written last to the object at `path` (a server-side apply).
+    /// The status written last to the object at `path` (the merge patch's `status`).
     pub fn last_status(&self, path: &str) -> Option<Value> {
         let status = format!("{path}/status");
         self.sent()
@@ -506,7 +506,7 @@ fn not_found() -> (u16, Value) {
     )
 }
 
-/// A JSON merge patch (RFC 7386), which is also what a status apply amounts to here.
+/// A JSON merge patch (RFC 7386), as the API server applies one.
 fn merge(target: &mut Value, patch: &Value) {
     match (target, patch) {
         (Value::Object(t), Value::Object(p)) => {

@@ -451,15 +451,11 @@ async fn no_status_write_and_no_event_when_nothing_worth_it_changed() {
 }
 
 #[tokio::test]
-async fn a_new_role_is_applied_server_side_remembered_and_announced_once() {
+async fn a_new_role_is_written_remembered_and_announced_once() {
     let obj = registration("1");
     let written = Written::new(Duration::from_secs(HEARTBEAT_EVERY));
     let (before, after) = (ControllerRegistrationStatus::default(), master_status(0));
-    let expected = json!({
-        "apiVersion": "prism.ntecdev.ai/v1alpha1",
-        "kind": "ControllerRegistration",
-        "status": to_json(&after),
-    });
+    let expected = json!({"status": to_json(&after)});
     let mut answered = registration("2");
     answered.status = Some(after.clone());
     let answered = to_json(&answered);
@@ -518,13 +514,12 @@ async fn a_failed_status_write_is_neither_remembered_nor_announced() {
     assert_eq!(written.previous(obj.uid().as_deref(), None), None);
 }
 
-/// The next request, checked to be a forced server-side apply of `path`'s status.
+/// The next request, checked to be a merge patch of `path`'s status as this operator.
 async fn next_status_patch(server: &mut ApiServer, path: &str) -> Sent {
     let sent = next(server).await;
     assert!(sent.is("PATCH", &format!("{path}/status")), "{} {}", sent.method, sent.path);
-    assert_eq!(sent.content_type, "application/apply-patch+yaml");
+    assert_eq!(sent.content_type, "application/merge-patch+json");
     assert!(sent.query.contains(&format!("fieldManager={FIELD_MANAGER}")), "{}", sent.query);
-    assert!(sent.query.contains("force=true"), "{}", sent.query);
     sent
 }
 
@@ -564,7 +559,7 @@ async fn runsession_status_uses_the_same_writer_and_its_own_events() {
     let written = Written::new(Duration::from_secs(HEARTBEAT_EVERY));
     let pending = RunSessionStatus::default();
     let (first, later, much_later) = (online(0), online(100), online(120));
-    let expected = json!({"apiVersion": "prism.ntecdev.ai/v1alpha1", "kind": "RunSession", "status": to_json(&first)});
+    let expected = json!({"status": to_json(&first)});
     let (answer, beat) = (to_json(&runsession()), to_json(&much_later));
     against(
         |mut server| async move {

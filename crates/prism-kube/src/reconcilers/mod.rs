@@ -39,7 +39,7 @@ use packed::Packed;
 use prism_core::store::{Elections, Runs};
 pub use status::Written;
 
-/// Field manager of every server-side apply this operator makes.
+/// Field manager of every write this operator makes.
 pub const FIELD_MANAGER: &str = "prism-operator";
 
 /// A store's error, as the reconcilers carry it: they tell failures apart through

@@ -1,5 +1,5 @@
 //! One status writer for both kinds: compare with the last status (ours if we wrote one
-//! lately), server-side apply the status only when it changed in a way worth a write,
+//! lately), merge-patch the status only when it changed in a way worth a write,
 //! remember what we wrote, and record an Event when the role or phase changed. What
 //! differs between the kinds is `ObservedStatus`.
 
@@ -14,7 +14,7 @@ use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::FIELD_MANAGER;
 use super::events::{EventPublisher, StatusEvent};
@@ -45,7 +45,7 @@ pub fn needs_write<S: ObservedStatus>(previous: &S, next: &S, heartbeat_every: D
     beat_moved || previous.stable() != next.stable()
 }
 
-/// Compare → server-side apply of the status (only when needed) → remember it →
+/// Compare → merge patch of the status (only when needed) → remember it →
 /// record the Events of a change of role or phase (or drain). `previous` is what `next` was built
 /// against (`Written::previous`).
 pub async fn write_status<K>(
@@ -60,14 +60,38 @@ where
     K: Resource<DynamicType = ()> + HasStatus<Status: ObservedStatus> + Clone + DeserializeOwned + Debug,
 {
     if needs_write(previous, next, written.heartbeat_every) {
-        let patch = json!({"apiVersion": K::api_version(&()), "kind": K::kind(&()), "status": next});
-        api.patch_status(&obj.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
+        let patch = json!({"status": status_patch(previous, next).map_err(kube::Error::SerdeError)?});
+        let params = PatchParams { field_manager: Some(FIELD_MANAGER.to_string()), ..PatchParams::default() };
+        api.patch_status(&obj.name_any(), &params, &Patch::Merge(&patch)).await?;
         written.wrote(obj.uid().as_deref(), next.clone());
     }
     for event in K::Status::events(previous, next) {
         events.publish(obj, event, K::Status::EVENT_ACTION).await;
     }
     Ok(())
+}
+
+/// The JSON merge patch (RFC 7386) that makes the status `next`: all of `next`, and a null
+/// for each field `previous` has and `next` lacks, at any depth (a merge patch keeps what
+/// it does not name; lists such as `conditions` it replaces whole). A merge patch rather
+/// than a server-side apply: the API server's apply builds and diffs managed-field sets
+/// for every write, which made the status write its costliest request per object.
+pub fn status_patch<S: Serialize>(previous: &S, next: &S) -> Result<Value, serde_json::Error> {
+    fn null_what_went(previous: &Value, next: &mut Value) {
+        if let (Value::Object(previous), Value::Object(next)) = (previous, next) {
+            for (field, old) in previous {
+                match next.get_mut(field) {
+                    Some(new) => null_what_went(old, new),
+                    None => {
+                        next.insert(field.clone(), Value::Null);
+                    }
+                }
+            }
+        }
+    }
+    let mut patch = serde_json::to_value(next)?;
+    null_what_went(&serde_json::to_value(previous)?, &mut patch);
+    Ok(patch)
 }
 
 /// How long a status this replica wrote is preferred over the watch cache's copy.
@@ -125,6 +149,34 @@ impl<S: Clone + Send + Sync + 'static> Written<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_status_patch_writes_next_whole_and_removes_what_went() {
+        let previous = json!({
+            "role": "Master", "term": 3, "releaseReason": "stale_heartbeat",
+            "master": {"name": "a", "sessionId": "s-a"},
+            "capacity": {"cpu": 4, "gpu": 1},
+            "conditions": [{"type": "Ready"}, {"type": "Master"}]
+        });
+        let next = json!({
+            "role": "Peer", "term": 3,
+            "master": {"name": "b", "sessionId": "s-b"},
+            "capacity": {"cpu": 4},
+            "conditions": [{"type": "Ready"}]
+        });
+        let patch = status_patch(&previous, &next).expect("serializable");
+        assert_eq!(
+            patch,
+            json!({
+                "role": "Peer", "term": 3, "releaseReason": null,
+                "master": {"name": "b", "sessionId": "s-b"},
+                "capacity": {"cpu": 4, "gpu": null},
+                "conditions": [{"type": "Ready"}]
+            }),
+            "all of next, a null for each field gone at any depth, lists whole"
+        );
+        assert_eq!(status_patch(&json!({}), &next).expect("serializable"), next, "a first status is itself");
+    }
 
     #[test]
     fn a_status_we_just_wrote_wins_over_the_lagging_cache() {
