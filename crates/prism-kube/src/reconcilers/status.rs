@@ -76,7 +76,7 @@ where
 /// it does not name; lists such as `conditions` it replaces whole). A merge patch rather
 /// than a server-side apply: the API server's apply builds and diffs managed-field sets
 /// on every write, ~6 % more of its CPU per status write (BENCHMARKS.md, election).
-pub fn status_patch<S: Serialize>(previous: &S, next: &S) -> Result<Value, serde_json::Error> {
+fn status_patch<S: Serialize>(previous: &S, next: &S) -> Result<Value, serde_json::Error> {
     fn null_what_went(previous: &Value, next: &mut Value) {
         if let (Value::Object(previous), Value::Object(next)) = (previous, next) {
             for (field, old) in previous {
