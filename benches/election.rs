@@ -26,7 +26,7 @@ use prism_testkit as support;
 use std::sync::Arc;
 
 use common::converge::{self, surface};
-use common::counts::PgActivity;
+use common::counts::{PgActivity, cpu_of, cpu_seconds};
 use common::measure::{
     CONCURRENCY, Target, Window, interleave, judged, rate, rates, ratios, rounds, spread, window_length,
 };
@@ -224,10 +224,15 @@ async fn bench_heartbeats(
     analyze(db, "controller_registrations").await;
     analyze(raw_db, "controller_registrations").await;
     let before = settled(db, raw_db).await;
-    let sides = interleave(2, rounds(), |side, _| {
+    // Beside each window, the CPU time its server side spent (the operator and Postgres
+    // for the API, Postgres for the UPDATEs) and this bench's own clients: both share the
+    // machine's two cores, so the rates alone cannot tell whose cost the ratio is.
+    let (op_pid, bench_pid) = (op.pid(), std::process::id());
+    let cpu = move || (cpu_seconds(op_pid) + cpu_of("postgres", ""), cpu_seconds(bench_pid));
+    let measured = interleave(2, rounds(), |side, _| {
         let (h, base, tok, ns, pool, ids) =
             (http.clone(), op.base.clone(), token.clone(), ns.clone(), raw_db.pool.clone(), ids.clone());
-        match side {
+        let window = match side {
             0 => rate(move |i, _| {
                 let (h, base, tok, ns) = (h.clone(), base.clone(), tok.clone(), ns.clone());
                 async move {
@@ -251,13 +256,38 @@ async fn bench_heartbeats(
                 }
             })
             .boxed(),
+        };
+        async move {
+            let before = cpu();
+            let w = window.await;
+            let (after, calls) = (cpu(), (w.ops as f64).max(1.0));
+            // Microseconds of CPU per heartbeat: the server side's, the clients'.
+            (w, ((after.0 - before.0) * 1e6 / calls, (after.1 - before.1) * 1e6 / calls))
         }
     })
     .await;
     let after = settled(db, raw_db).await;
+    // Per side, per round: the window, and its CPU microseconds per heartbeat.
+    type PerHeartbeat = Vec<(f64, f64)>;
+    let (sides, cpu_us): (Vec<Vec<Window>>, Vec<PerHeartbeat>) =
+        measured.into_iter().map(|side| side.into_iter().unzip()).unzip();
     let (api, raw) = (&sides[0], &sides[1]);
+    let (server, clients) = (|c: &(f64, f64)| c.0, |c: &(f64, f64)| c.1);
+    let of = |side: usize, f: fn(&(f64, f64)) -> f64| cpu_us[side].iter().map(f).collect::<Vec<f64>>();
     println!("(b) heartbeats/s      API {}   UPDATE each {}", spread(&rates(api), 0), spread(&rates(raw), 0));
     println!("    ratio API/UPDATE  {}", judged(&ratios(&rates(api), &rates(raw)), 1, Target::AtLeast(5.0)));
+    println!(
+        "    CPU per heartbeat, API: operator + Postgres {} us, bench clients {} us",
+        spread(&of(0, server), 1),
+        spread(&of(0, clients), 1)
+    );
+    println!(
+        "    CPU per heartbeat, UPDATE: Postgres {} us, bench clients {} us",
+        spread(&of(1, server), 1),
+        spread(&of(1, clients), 1)
+    );
+    // The ratio the servers alone would give if the clients cost nothing.
+    println!("    server CPU per UPDATE / per API heartbeat  {}", spread(&ratios(&of(1, server), &of(0, server)), 1));
     println!("    counted, API:     {}", after.0.since(&before.0).per(ops(api), "heartbeat"));
     println!("    counted, UPDATE:  {}", after.1.since(&before.1).per(ops(raw), "heartbeat"));
 }
