@@ -283,6 +283,16 @@ pub struct RunArgs {
     #[arg(long, env = "PRISM_JOB_CANCEL_GRACE_SECONDS", default_value_t = 30,
           value_parser = clap::value_parser!(u32).range(1..=86_400))]
     pub job_cancel_grace_seconds: u32,
+    /// Queued jobs one namespace may hold at once; an enqueue beyond is 429
+    /// `quota_exceeded` (SPEC §12).
+    #[arg(long, env = "PRISM_MAX_QUEUED_JOBS_PER_NAMESPACE", default_value_t = 100_000,
+          value_parser = clap::value_parser!(u32).range(1..=100_000_000))]
+    pub max_queued_jobs_per_namespace: u32,
+    /// A job still queued this many hours after its enqueue is cancelled (reason
+    /// `expired`): nothing waits for a Run forever.
+    #[arg(long, env = "PRISM_JOB_QUEUED_TTL_HOURS", default_value_t = 72,
+          value_parser = clap::value_parser!(u32).range(1..=87_600))]
+    pub job_queued_ttl_hours: u32,
     /// Reconciles in flight at once per controller: bounds the operator's connections to
     /// the API server (and its memory) when many resources change together. Reconciles
     /// mostly wait on the API server and Postgres, so this is well above the core count.

@@ -827,7 +827,7 @@ async fn identifiers_with_control_characters_are_refused_everywhere() {
         let out = support::mcp_scenario("calls", mode, &op.url("/mcp"), &agent, &[("calls", &plan)]).await;
         let answer = &out["answers"][0];
         assert_eq!(answer["is_error"], true, "{answer}");
-        assert_eq!(answer["structured"]["error"]["code"], "invalid_request", "{answer}");
+        assert_eq!(answer["error"]["code"], "invalid_request", "{answer}");
     }
     assert_eq!(registrations(&db, &api, &ns).await, (vec![], 0), "nothing written");
 }
@@ -1010,4 +1010,96 @@ async fn health_routes_are_snapshots_and_survive_a_saturated_api_pool() {
     assert_eq!(ready.status(), 200, "a busy API pool is no reason to leave the Service");
     sqlx::query("ROLLBACK").execute(&mut *holder).await.expect("rollback");
     let _ = blocked.await;
+}
+
+/// #43.2: a refusal costs the refused. Hellos signed by the wrong key in a Run's name are
+/// charged to their source address, never to the Run: its own hello right after forty of
+/// them is granted. Valid hellos still spend the Run's budget, and a Run told to wait
+/// (429 with `Retry-After`) gets its session by waiting, as demo-run does.
+#[tokio::test]
+async fn forged_hellos_in_a_runs_name_do_not_lock_it_out() {
+    // The forger and the Run share 127.0.0.1 here; in the field they are two addresses,
+    // so the per-address budget is opened wide and only the per-identity one is at play.
+    let w = runs("h-forged-hello", &[("PRISM_UNAUTHENTICATED_RATE", "1000"), ("PRISM_UNAUTHENTICATED_BURST", "1000")])
+        .await;
+    let mut run = w.run("r", "srv-forged", None).await;
+    let (forger_key, _) = run_client::new_key().expect("key");
+    let mut forger = RunClient::new(&w.op.base, "srv-forged", "run", 1, forger_key);
+    for n in 0..40 {
+        let e = forger.hello().await.expect_err("a forged hello is refused");
+        assert_eq!(refusal(&e), "bad_signature", "forged hello {n}: {e:?}");
+    }
+    run.hello().await.expect("the Run's own hello after 40 forged ones is granted");
+
+    // Its own hellos do spend its budget (1/s, burst 10): past it, 429 with Retry-After,
+    // and waiting that long is enough.
+    let mut told_to_wait = None;
+    for _ in 0..20 {
+        match run.hello().await {
+            Ok(_) => {}
+            Err(run_client::ClientError::Refused { code, retry_after, .. }) if code == "rate_limited" => {
+                told_to_wait = retry_after;
+                break;
+            }
+            Err(e) => panic!("hello: {e:?}"),
+        }
+    }
+    let wait = told_to_wait.expect("a 429 with Retry-After within 20 hellos");
+    assert!(wait >= Duration::from_secs(1) && wait <= Duration::from_secs(10), "Retry-After {wait:?}");
+    run.hello_patiently(Duration::from_secs(30)).await.expect("granted after waiting");
+}
+
+/// #43.8: with the chart's admission policy, `kubectl delete` of a registration owned by
+/// another identity is refused (deleting it would wrap their session), while its owner,
+/// and an identity allowed `delete` on `controllerregistrations/owned`, may. Without the
+/// policy no owner is known to the API server and RBAC alone decides.
+#[tokio::test]
+async fn only_the_owner_or_the_override_deletes_an_owned_registration() {
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "h-delete").await;
+    let db = TestDb::new().await;
+    let _op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let api: Api<ControllerRegistration> = Api::namespaced(client.clone(), &ns);
+    for sa in ["alice", "mallory", "platform"] {
+        support::sa_token(cp, &ns, sa, "controllerregistrations", &ALL).await;
+    }
+    support::grant(cp, &ns, "platform", "controllerregistrations/owned", &["delete"]).await;
+    let alice = support::api_server_token(cp, &ns, "alice").await;
+    let mallory = support::api_server_token(cp, &ns, "mallory").await;
+    let platform = support::api_server_token(cp, &ns, "platform").await;
+
+    for name in ["alices", "alices-too"] {
+        let out = cp.kubectl_as(&alice, &["create", "-f", "-"], Some(&creg_yaml(name, &ns, "P", name))).await;
+        assert!(out.ok, "{}", out.stderr);
+    }
+    support::role(&api, "alices", prism_operator::crd::Role::Master, 15).await;
+    let delete = |token: &str, name: &str| {
+        let (token, name, ns) = (token.to_string(), name.to_string(), ns.clone());
+        async move { cp.kubectl_as(&token, &["delete", "creg", &name, "-n", &ns, "--wait=false"], None).await }
+    };
+    let refused = delete(&mallory, "alices").await;
+    if !support::chart_mode() {
+        assert!(refused.ok, "without the policy RBAC decides: {}", refused.stderr);
+        return;
+    }
+    assert!(!refused.ok, "another identity's delete is refused");
+    assert!(refused.stderr.contains("owned by another identity"), "{}", refused.stderr);
+    assert!(!refused.stderr.contains("alice"), "the refusal names no identity: {}", refused.stderr);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let still = api.get("alices").await.expect("still there");
+    assert!(still.metadata.deletion_timestamp.is_none(), "not being deleted");
+    support::role(&api, "alices", prism_operator::crd::Role::Master, 5).await;
+
+    // The owner may, and so may the platform's override.
+    let own = delete(&alice, "alices").await;
+    assert!(own.ok, "the owner deletes her own: {}", own.stderr);
+    let over = delete(&platform, "alices-too").await;
+    assert!(over.ok, "delete on controllerregistrations/owned overrides: {}", over.stderr);
+    for name in ["alices", "alices-too"] {
+        eventually(30, "deleted (wrapped by the finalizer)", || async {
+            api.get_opt(name).await.ok()?.is_none().then_some(())
+        })
+        .await;
+    }
 }

@@ -149,9 +149,50 @@ async fn the_checker_names_a_job_finished_twice_claimed_too_often_or_claimed_aft
     ] {
         sqlx::query(step).bind(job).execute(&db.pool).await.expect(step);
     }
+    // A job whose steps name their attempt, as the operator's step statement does: the
+    // ack and the complete of its second attempt.
+    let named = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO runtime_jobs (id, namespace, server_instance_id, component_kind, kind, max_attempts)
+         VALUES ($1, 'ns-inv', 'srv', 'run', 'config', 3)",
+    )
+    .bind(named)
+    .execute(&db.pool)
+    .await
+    .expect("job");
+    let step = |attempt: i32, sql: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            let mut tx = pool.begin().await.expect("begin");
+            sqlx::query("SELECT set_config('prism.step_attempt', $1, true)")
+                .bind(attempt.to_string())
+                .execute(&mut *tx)
+                .await
+                .expect("name the attempt");
+            sqlx::query(sql).bind(named).execute(&mut *tx).await.expect(sql);
+            tx.commit().await.expect("commit");
+        }
+    };
+    for sql in
+        [claim, "UPDATE runtime_jobs SET state = 'queued', visible_at = NULL, deadline_at = NULL WHERE id = $1", claim]
+    {
+        sqlx::query(sql).bind(named).execute(&db.pool).await.expect(sql);
+    }
+    step(2, "UPDATE runtime_jobs SET state = 'running' WHERE id = $1").await;
     let (ok, out) = check(&db.url, &["--namespace-prefix", "ns-inv"]).await;
     assert!(ok, "{out}");
-    assert!(out.contains("claims 2"), "{out}");
+    assert!(out.contains("claims 4") && out.contains("steps naming their attempt 1"), "{out}");
+    // A step of the first attempt finishing the second: what `stale_attempt` prevents.
+    step(1, "UPDATE runtime_jobs SET state = 'succeeded', completed_at = now() WHERE id = $1").await;
+    let (ok, out) = check(&db.url, &["--namespace-prefix", "ns-inv"]).await;
+    assert!(!ok, "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("VIOLATION")
+            && l.contains(&format!("job {named}"))
+            && l.contains("a step of attempt 1 made it succeeded at attempt 2")),
+        "{out}"
+    );
+    sqlx::query("DELETE FROM runtime_jobs WHERE id = $1").bind(named).execute(&db.pool).await.expect("forget it");
     // A finished job cannot be changed: the database refuses it.
     let revive = sqlx::query("UPDATE runtime_jobs SET state = 'queued', completed_at = NULL WHERE id = $1")
         .bind(job)

@@ -252,6 +252,60 @@ async fn cancels_reach_the_run_and_the_grace_ends_them_anyway() {
     assert_eq!(late, Err((409, "job_finished".to_string())));
     let (status, body) = p.cancel(&ignored, None).await;
     assert_eq!((status, code(&body)), (409, "job_finished"));
+
+    // #43.5: /metrics (unauthenticated) counts cancellations by fixed cause only: the
+    // canceller's text stays with the job.
+    let metrics = support::metric_line(&w.op, "prism_runtime_job_cancellations{reason=\"grace\"} 1").await;
+    assert!(metrics.lines().any(|l| l == "prism_runtime_job_cancellations{reason=\"requested\"} 2"), "{metrics}");
+    assert!(!metrics.contains("not needed any more"), "a tenant's text on the metrics page");
+    assert_eq!(p.job(&queued).await["cancel_reason"], "not needed any more", "kept with the job");
+}
+
+/// #43.6: jobs are bounded. A namespace holds at most PRISM_MAX_QUEUED_JOBS_PER_NAMESPACE
+/// queued jobs (429 `quota_exceeded` beyond, which writes nothing; a claimed job makes
+/// room), whatever its addresses; a job left queued past PRISM_JOB_QUEUED_TTL_HOURS is
+/// cancelled with reason `expired`.
+#[tokio::test]
+async fn queued_jobs_are_bounded_per_namespace_and_expire() {
+    let w = World::start("jobs-quota", &[("PRISM_MAX_QUEUED_JOBS_PER_NAMESPACE", "3")]).await;
+    let p = Platform::new(&w).await;
+    let run = started_run(&w, "run-a", "srv-a").await;
+    let _other = started_run(&w, "run-b", "srv-b").await;
+    let mut ids = Vec::new();
+    for server in ["srv-a", "srv-b", "srv-a"] {
+        ids.push(id_of(&p.queued(server, "config", json!({})).await));
+    }
+    let count = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM runtime_jobs").fetch_one(&w.db.pool).await.expect("count")
+    };
+    for server in ["srv-a", "srv-b"] {
+        let (status, body) = p.enqueue(server, "config", json!({})).await;
+        assert_eq!((status, code(&body)), (429, "quota_exceeded"), "{body}");
+    }
+    assert_eq!(count().await, 3, "a refused enqueue writes nothing");
+    assert_eq!(run.claim(1).await.expect("claim").len(), 1);
+    let (status, body) = p.enqueue("srv-b", "config", json!({})).await;
+    assert_eq!(status, 201, "a claimed job made room: {body}");
+
+    // Expiry: a job queued 73 hours ago (the default TTL is 72) is cancelled by the reaper.
+    let old = &ids[1];
+    sqlx::query("UPDATE runtime_jobs SET created_at = now() - interval '73 hours' WHERE id = $1::uuid")
+        .bind(old)
+        .execute(&w.db.pool)
+        .await
+        .expect("age it");
+    let job = eventually(15, "the old job expired", || async {
+        let job = p.job(old).await;
+        (job["state"] == "cancelled").then_some(job)
+    })
+    .await;
+    assert_eq!(job["cancel_reason"], "expired", "{job}");
+    assert!(job["completed_at"].is_string());
+    assert_eq!(p.job(&ids[2]).await["state"], "queued", "a young job stays queued");
+    let (status, _) = p.enqueue("srv-a", "config", json!({})).await;
+    assert_eq!(status, 201, "the expired job made room");
+    let (status, _) = p.enqueue("srv-a", "config", json!({})).await;
+    assert_eq!(status, 429, "and the quota holds again");
 }
 
 /// A cancel this replica did not take (another replica's API, the fence of a new master
@@ -454,6 +508,90 @@ async fn attempts_are_bounded_and_end_by_timeout_deadline_or_failure() {
     }
 }
 
+/// §12 "a step names its attempt": a Run that outlived its visibility timeout can neither
+/// finish nor requeue the attempt that came after it (409 `stale_attempt`, nothing
+/// changes), while the current attempt's steps go through. A step that names no attempt
+/// (a Run written before it was named) counts only while the job's current attempt is
+/// its own session's claim.
+#[tokio::test]
+async fn a_step_of_an_ended_attempt_changes_nothing() {
+    let w = World::start("jobs-stale-attempt", &[("PRISM_JOB_VISIBILITY_SECONDS", "1")]).await;
+    let p = Platform::new(&w).await;
+    let run = started_run(&w, "run-a", "srv-a").await;
+    let id = id_of(&p.queued("srv-a", "config", json!({"max_attempts": 3})).await);
+    let claim_it = || async {
+        eventually(15, "claimed", || async {
+            let jobs = run.claim(1).await.ok()?;
+            (jobs.len() == 1).then(|| jobs[0].clone())
+        })
+        .await
+    };
+    let first = claim_it().await;
+    assert_eq!((first.attempts, first.attempt), (1, Some(1)), "the claim answers the attempt");
+    eventually(10, "the silent attempt ends", || async { (p.job(&id).await["state"] == "queued").then_some(()) }).await;
+    let second = claim_it().await;
+    assert_eq!(second.attempt, Some(2));
+
+    // The first attempt's Run wakes up and reports: each step is refused, nothing changes.
+    for (action, body) in [
+        ("complete", json!({"outcome": "succeeded", "result": {"late": true}, "attempt": 1})),
+        ("complete", json!({"outcome": "failed", "retryable": true, "error": "late", "attempt": 1})),
+        ("progress", json!({"progress": {"late": true}, "attempt": 1})),
+        ("ack", json!({"attempt": 1})),
+    ] {
+        let refused = run.step(&first.id, action, Some(body.clone())).await.expect_err("a stale step");
+        assert_eq!(refused.code(), Some("stale_attempt"), "{action} {body}: {refused:?}");
+    }
+    let job = p.job(&id).await;
+    assert_eq!(
+        (job["state"].as_str(), job["attempts"].as_i64(), job["attempt"].as_i64(), &job["progress"], &job["result"]),
+        (Some("claimed"), Some(2), Some(2), &Value::Null, &Value::Null),
+        "the second attempt is untouched: {job}"
+    );
+    // The current attempt's steps go through (the bundled client names it by itself).
+    let done = complete(&run, &id, json!({"outcome": "succeeded", "result": {"ok": 2}})).await.expect("complete");
+    assert_eq!((done["state"].as_str(), done["result"]["ok"].as_i64()), (Some("succeeded"), Some(2)));
+    // A late word of the first attempt on the finished job is stale too; of the last one,
+    // finished.
+    let late = run.step(&first.id, "complete", Some(json!({"outcome": "succeeded", "attempt": 1}))).await;
+    assert_eq!(late.expect_err("stale").code(), Some("stale_attempt"));
+    let again = run.step(&first.id, "complete", Some(json!({"outcome": "succeeded", "attempt": 2}))).await;
+    assert_eq!(again.expect_err("finished").code(), Some("job_finished"));
+
+    // Steps without `attempt`: counted while the claim is this session's, refused once a
+    // newer session of the identity holds the Run.
+    let mut old = started_run(&w, "run-b", "srv-b").await;
+    old.name_attempts = false;
+    let id = id_of(&p.queued("srv-b", "config", json!({})).await);
+    let job = eventually(15, "claimed", || async {
+        let jobs = old.claim(1).await.ok()?;
+        (jobs.len() == 1).then(|| jobs[0].clone())
+    })
+    .await;
+    old.step(&job.id, "ack", None).await.expect("an unnamed ack of this session's own claim");
+    old.hello().await.expect("hello again: a new session");
+    let refused = old.step(&job.id, "complete", Some(json!({"outcome": "succeeded"}))).await;
+    assert_eq!(refused.expect_err("another session's claim").code(), Some("stale_attempt"));
+    assert_eq!(p.job(&id).await["state"], "running");
+    let done = old
+        .step(&job.id, "complete", Some(json!({"outcome": "succeeded", "attempt": job.attempt})))
+        .await
+        .expect("the new session finishes the attempt it names");
+    assert_eq!(serde_json::to_value(done).expect("json")["state"], "succeeded");
+    // A malformed attempt is 422 and changes nothing.
+    let id = id_of(&p.queued("srv-b", "config", json!({})).await);
+    let job = eventually(15, "claimed", || async {
+        let jobs = old.claim(1).await.ok()?;
+        (jobs.len() == 1).then(|| jobs[0].clone())
+    })
+    .await;
+    for bad in [json!({"attempt": 0}), json!({"attempt": "1"}), json!({"attempt": 101})] {
+        let e = old.step(&job.id, "ack", Some(bad.clone())).await.expect_err("refused");
+        assert_eq!(e.code(), Some("invalid_request"), "{bad}");
+    }
+    assert_eq!(p.job(&id).await["state"], "claimed");
+}
+
 /// §5.1 idempotent enqueue: 20 concurrent identical requests make one job (one 201, the
 /// rest 200 with it); the key with another body is 409 `idempotency_conflict`.
 #[tokio::test]
@@ -642,7 +780,7 @@ async fn a_master_agent_queues_fenced_work_over_mcp_and_a_preempted_one_cannot()
         .await;
         let refused = &out["answers"][0];
         assert_eq!(
-            (refused["is_error"].as_bool(), refused["structured"]["error"]["code"].as_str()),
+            (refused["is_error"].as_bool(), refused["error"]["code"].as_str()),
             (Some(true), Some("not_master")),
             "{mode}: {refused}"
         );
@@ -666,7 +804,7 @@ async fn a_master_agent_queues_fenced_work_over_mcp_and_a_preempted_one_cannot()
         &[("calls", &plan.to_string()), ("client", "codex-mcp-client")],
     )
     .await;
-    assert_eq!(out["answers"][0]["structured"]["error"]["code"], "forbidden");
+    assert_eq!(out["answers"][0]["error"]["code"], "forbidden");
 }
 
 /// SPEC §11 long poll: a claim that finds nothing waits, holding no Postgres connection,
@@ -918,4 +1056,39 @@ async fn a_replica_killed_while_claims_and_a_watch_wait_on_it_loses_nothing() {
 async fn next_routing(stream: &mut reqwest::Response) -> Option<(String, Value)> {
     let (id, table) = support::next_sse(stream, "routing").await?;
     Some((id?, table))
+}
+
+/// #43.1: a Run session's long-poll claims are held streams too: at most
+/// PRISM_MAX_STREAMS_PER_IDENTITY wait at once (429 `too_many_streams` beyond), while a
+/// claim that does not wait is answered as always.
+#[tokio::test]
+async fn a_run_session_holds_a_bounded_number_of_waiting_claims() {
+    let w = World::start("jobs-held-claims", &[("PRISM_MAX_STREAMS_PER_IDENTITY", "2")]).await;
+    let p = Platform::new(&w).await;
+    let run = std::sync::Arc::new(started_run(&w, "run-a", "srv-a").await);
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let run = run.clone();
+            tokio::spawn(async move { run.claim_waiting(1, 30).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let refused = match tokio::time::timeout(Duration::from_secs(5), run.claim_waiting(1, 30)).await {
+        Ok(Err(ClientError::Refused { status: 429, code, retry_after, .. })) => (code, retry_after),
+        other => panic!("a third waiting claim: {other:?}"),
+    };
+    assert_eq!(refused.0, "too_many_streams");
+    assert!(refused.1.is_some(), "with Retry-After");
+    assert!(run.claim(1).await.expect("a claim that does not wait").is_empty());
+    // Work arrives: the two waiting claims share it and end, giving their places back.
+    for _ in 0..2 {
+        p.queued("srv-a", "config", json!({})).await;
+    }
+    let mut got = 0;
+    for claim in waiting {
+        got += claim.await.expect("task").expect("claim").jobs.len();
+    }
+    assert!(got >= 1, "the waiting claims were answered with the work");
+    let again = tokio::time::timeout(Duration::from_secs(10), run.claim_waiting(1, 1)).await;
+    assert!(again.expect("answered").is_ok(), "a place is free again");
 }

@@ -30,7 +30,10 @@ fn ok<'a>(answer: &'a Value, what: &str) -> &'a Value {
 /// The code of a tool error.
 fn tool_error_code(answer: &Value) -> &str {
     assert_eq!(answer["is_error"], true, "expected a tool error: {answer:#}");
-    answer["structured"]["error"]["code"].as_str().unwrap_or_default()
+    // SPEC §9: the error JSON is the text; structuredContent would fail a client's
+    // outputSchema check (the TypeScript SDK's) and hide the code.
+    assert!(answer["structured"].is_null(), "a tool error carries no structuredContent: {answer:#}");
+    answer["error"]["code"].as_str().unwrap_or_default()
 }
 
 async fn registrations(db: &TestDb, ns: &str) -> i64 {

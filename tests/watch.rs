@@ -270,3 +270,105 @@ async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
     let released = logs.find("leadership released on shutdown").expect("the Lease's release is logged");
     assert!(api_stopped < released, "the Lease went back before the API had stopped:\n{logs}");
 }
+
+/// #43.1: held streams are bounded per caller. One identity holds at most
+/// PRISM_MAX_STREAMS_PER_IDENTITY watches at once (429 `too_many_streams` with
+/// `Retry-After` beyond, another identity unaffected, a place given back when a watch
+/// ends), and a watch lives at most PRISM_MAX_STREAM_SECONDS, then ends cleanly.
+#[tokio::test]
+async fn watches_are_bounded_per_caller_in_count_and_lifetime() {
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "watch-bounds").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(
+        cp,
+        &db.url,
+        &ns,
+        &[("PRISM_MAX_STREAMS_PER_IDENTITY", "3"), ("PRISM_MAX_STREAM_SECONDS", "10")],
+    )
+    .await;
+    let alice = support::agent_token(cp, &ns, "alice", &ALL).await;
+    let bob = support::agent_token(cp, &ns, "bob", &ALL).await;
+    register(&op, &alice, &ns, "P", "s-a", "codex").await;
+
+    let opened = std::time::Instant::now();
+    let mut held = Vec::new();
+    for n in 0..3 {
+        let (status, mut events) = watch(&op, &alice, &ns, "P", None, None).await;
+        assert_eq!(status, 200, "watch {n}");
+        table(&next(&mut events, 10).await.expect("the table first"));
+        held.push(events);
+    }
+    let r = support::http()
+        .get(format!("{}/api/v1/controller/P/watch?namespace={ns}", op.base))
+        .bearer_auth(&alice)
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(r.status().as_u16(), 429, "a fourth watch of one identity");
+    assert!(r.headers().get("retry-after").is_some(), "with Retry-After");
+    let body: Value = r.json().await.expect("json");
+    assert_eq!(body["error"]["code"], "too_many_streams", "{body}");
+    let (status, _bobs) = watch(&op, &bob, &ns, "P", None, None).await;
+    assert_eq!(status, 200, "another identity has its own share");
+
+    // One ends (its client goes away): its place comes back.
+    drop(held.pop());
+    let _again = support::eventually(10, "a place given back", || async {
+        let (status, events) = watch(&op, &alice, &ns, "P", None, None).await;
+        (status == 200).then_some(events)
+    })
+    .await;
+
+    // Past its lifetime a watch ends by itself, after a whole event, with no error.
+    let mut oldest = held.remove(0);
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(30), oldest.next()).await {
+            Ok(Some(Ok(event))) => assert_ne!(event.event, "error", "a clean end: {event:?}"),
+            Ok(Some(Err(e))) => panic!("the stream broke instead of ending: {e}"),
+            Ok(None) => break opened.elapsed(),
+            Err(_) => panic!("the watch outlived PRISM_MAX_STREAM_SECONDS by 20 s"),
+        }
+    };
+    assert!(ended >= Duration::from_secs(9) && ended < Duration::from_secs(25), "ended after {ended:?}");
+}
+
+/// #43.1: a reader that does not read is never buffered for. A client that opens a watch
+/// and stops reading while the project changes a hundred times (each table larger than
+/// the last) finds, when it reads again, a `reset` event and the end of the stream, not
+/// every table queued up for it.
+#[tokio::test]
+async fn a_watch_whose_reader_stalls_ends_with_a_reset() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "watch-stall").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[("PRISM_MAX_SESSIONS_PER_IDENTITY", "1000")]).await;
+    let alice = support::agent_token(cp, &ns, "alice", &ALL).await;
+    register(&op, &alice, &ns, "P", "s-0", "codex").await;
+
+    // A client with a small receive window that reads nothing after its request.
+    let addr: std::net::SocketAddr = op.base.trim_start_matches("http://").parse().expect("plain HTTP address");
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stalled = socket.connect(addr).await.expect("connect");
+    let request = format!(
+        "GET /api/v1/controller/P/watch?namespace={ns} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {alice}\r\nAccept: text/event-stream\r\n\r\n"
+    );
+    stalled.write_all(request.as_bytes()).await.expect("request");
+    for n in 1..=100 {
+        register(&op, &alice, &ns, "P", &format!("s-{n}"), "codex").await;
+    }
+    // Past the reader's grace (2 s) for the event it did not take.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut seen = Vec::new();
+    let read_all = tokio::time::timeout(Duration::from_secs(30), stalled.read_to_end(&mut seen)).await;
+    let text = String::from_utf8_lossy(&seen);
+    assert!(read_all.is_ok(), "the stream ended (read {} bytes)", seen.len());
+    assert!(text.starts_with("HTTP/1.1 200"), "{}", &text[..text.len().min(200)]);
+    assert!(text.contains("event: reset"), "a reset event at the end: ...{}", &text[text.len().saturating_sub(400)..]);
+    let tables = text.matches("event: routing").count();
+    assert!(tables < 100, "{tables} of 101 tables were kept for a reader that did not read");
+}

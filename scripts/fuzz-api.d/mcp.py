@@ -22,7 +22,9 @@ Checks, on every answer:
                      refreshes a heartbeat, SPEC §4 rule 8)
   output_schema      the structuredContent of every successful tool result conforms to the
                      tool's outputSchema, when it declares one
-  tool_error_shape   a tool error has structuredContent {"error": {"code", "message"}}
+  tool_error_shape   a tool error has no structuredContent and its text content is the JSON
+                     {"error": {"code", "message"}} (SPEC §9: clients check structuredContent
+                     against the outputSchema even on errors)
   invalid_refused    arguments that the tool's own inputSchema rejects are refused
   printable_ids      prism_start refuses a project_id or session_id with a control
                      character (SPEC §3.1: printable)
@@ -69,6 +71,15 @@ LEGACY = ["2025-03-26", "2025-06-18", "2025-11-25"]
 MODERN = "2026-07-28"
 MAX_BODY = 64 * 1024  # crates/prism-api/src/lib.rs MAX_BODY_BYTES
 CLIENT = {"name": "prism-fuzz", "version": "1.0.0"}
+def tool_error_code(result: dict) -> Any:
+    """The code of a tool error: its text content is the error JSON (SPEC §9)."""
+    text = "".join(c.get("text", "") for c in result.get("content") or [] if isinstance(c, dict))
+    try:
+        return ((json.loads(text) or {}).get("error") or {}).get("code")
+    except (ValueError, AttributeError):
+        return None
+
+
 ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
@@ -283,9 +294,16 @@ class Checks:
         if not isinstance(result.get("content"), list):
             out.append(("tool_result_shape", f"content is {type(result.get('content')).__name__}"))
         if result.get("isError") is True:
-            problems = schema_errors(ERROR_SCHEMA, sc)
+            text = "".join(c.get("text", "") for c in result.get("content") or [] if isinstance(c, dict))
+            try:
+                body = json.loads(text)
+            except ValueError:
+                body = None
+            problems = schema_errors(ERROR_SCHEMA, body)
+            if sc is not None:
+                problems = "; ".join(p for p in (problems, "structuredContent present on a tool error") if p)
             if problems:
-                out.append(("tool_error_shape", f"structuredContent {json.dumps(sc)[:300]}: {problems}"))
+                out.append(("tool_error_shape", f"text {text[:300]!r}, structuredContent {json.dumps(sc)[:200]}: {problems}"))
             return out
         if case.schema_valid is False:
             out.append(
@@ -633,8 +651,7 @@ class Run:
         candidates = [x for x in self.recent if x[4] and time.monotonic() - x[0] < 1.5]
         self.recent.clear()
         for t, case, req, a, _, client in candidates:
-            sc = (a.result or {}).get("structuredContent") if a else None
-            outcome = (sc or {}).get("error", {}).get("code") if isinstance(sc, dict) and isinstance(sc.get("error"), dict) else a.status if a else None
+            outcome = tool_error_code(a.result) if a and (a.result or {}).get("isError") else a.status if a else None
             args = sorted(case.arguments) if isinstance(case.arguments, dict) else type_name(case.arguments)
             sig = (case.identity, case.version == MODERN, case.tool, case.kind if not case.tool else "", outcome, str(args))
             if sig in self.replayed or time.monotonic() > self.replay_deadline:
@@ -948,7 +965,7 @@ def selftest(run: Run) -> int:
         "challenge": (ok_case, Answer(401, j, b"{}", {"error": {"code": "x", "message": "y"}})),
         "jsonrpc_shape": (ok_case, Answer(200, j, b"{}", rpc(result={"content": []}, id_=8))),
         "output_schema": (ok_case, Answer(200, j, b"{}", rpc(result={"content": [], "structuredContent": {"must": "no", "role": None, "you_were_preempted": False}}))),
-        "tool_error_shape": (ok_case, Answer(200, j, b"{}", rpc(result={"content": [], "isError": True, "structuredContent": {"error": {"code": 5}}}))),
+        "tool_error_shape": (ok_case, Answer(200, j, b"{}", rpc(result={"content": [{"type": "text", "text": '{"error": {"code": "x", "message": "y"}}'}], "isError": True, "structuredContent": {"error": {"code": "x", "message": "y"}}}))),
         "invalid_refused": (Case("writer", MODERN, "wrong_type", "t", {}, False), Answer(200, j, b"{}", rpc(result={"content": [], "structuredContent": {"must": 1}}))),
         "d6_fields": (ok_case, Answer(200, j, b"{}", rpc(result={"content": [], "structuredContent": {"must": 1}}))),
         "printable_ids": (Case("writer", MODERN, "control_chars", "prism_start", {"project_id": "a\x7fb"}, True),

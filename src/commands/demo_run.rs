@@ -10,12 +10,16 @@ use tracing::{info, warn};
 use crate::config::DemoRunArgs;
 use crate::run_client::{self, ClientError, RunClient};
 
+/// How long demo-run keeps saying hello while the operator answers "not now" (429 or 503
+/// with `Retry-After`) before it gives up.
+const HELLO_PATIENCE: Duration = Duration::from_secs(600);
+
 pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
     let key = run_client::read_key(&args.key_file)?;
     let http = run_client::http_client(args.ca_cert.as_deref())?;
     let mut client =
         RunClient::new(&args.api, &args.server_instance_id, &args.component_kind, args.generation, key).with_http(http);
-    let mut granted = client.hello().await?;
+    let mut granted = client.hello_patiently(HELLO_PATIENCE).await?;
     info!(server = %args.server_instance_id, component = %args.component_kind, lease = granted.lease_ttl_seconds, "session started");
     let every = |granted: &run_client::Granted| Duration::from_secs(granted.heartbeat_interval_seconds.max(1));
     let mut next_beat = Instant::now() + every(&granted);
@@ -52,7 +56,7 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
             }
             Err(e) if matches!(e.code(), Some("session_superseded" | "session_expired")) => {
                 warn!(error = %e, "session lost; saying hello again");
-                granted = client.hello().await?;
+                granted = client.hello_patiently(HELLO_PATIENCE).await?;
                 next_beat = Instant::now() + every(&granted);
                 continue;
             }
@@ -77,7 +81,7 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
                 Err(e) => match e.code() {
                     Some("session_superseded" | "session_expired") => {
                         warn!(error = %e, "session lost; saying hello again");
-                        granted = client.hello().await?;
+                        granted = client.hello_patiently(HELLO_PATIENCE).await?;
                         next_beat = Instant::now() + every(&granted);
                         continue;
                     }

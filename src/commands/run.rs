@@ -56,6 +56,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 default_max_attempts: i32::from(args.job_max_attempts),
                 default_timeout_seconds: i32::try_from(args.job_timeout_seconds).unwrap_or(600),
                 cancel_grace: Duration::from_secs(u64::from(args.job_cancel_grace_seconds)),
+                max_queued_per_namespace: i64::from(args.max_queued_jobs_per_namespace),
+                queued_ttl: Duration::from_secs(u64::from(args.job_queued_ttl_hours) * 3600),
             },
         );
         RunRegistry::new(
@@ -87,7 +89,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     let election = ElectionStore::with_quotas(api_pool.clone(), quotas).with_live_roles(signals.live_roles());
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
-    let ApiSettings { limits, allowed_hosts, session_key, tls, audiences, listen, max_connections, .. } = settings;
+    let ApiSettings { limits, allowed_hosts, session_key, tls, audiences, listen, max_connections, streams, .. } =
+        settings;
     let mcp = mcp_config(allowed_hosts, session_key, &api_pool).await?;
     let limits = Arc::new(limits);
     spawn_limit_pruning(limits.clone());
@@ -113,6 +116,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         mcp,
         stopping: stop_rx.clone(),
         signals: signals.clone(),
+        streams,
     });
     tokio::spawn(async move {
         shutdown_signal().await;

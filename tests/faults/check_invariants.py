@@ -21,6 +21,9 @@ database. From each job's history of state changes (runtime_job_events, written 
 database's own trigger) and the election history (SPEC §10):
   * a job is finished at most once, and nothing follows its finish;
   * it is claimed at most max_attempts times, and as many times as its attempts say;
+  * no step of a finished or superseded attempt changed it (SPEC §12): a change made by a
+    Run's step that named its attempt (the history's step_attempt) is of that attempt,
+    and follows that attempt's claim or ack — the job in flight at that attempt;
   * a fenced job is never claimed after its term has passed: at each claim its project's
     master term was the fence's, and no change of master to a later term had been
     recorded more than 5 s before the claim (a change commits after its row's time).
@@ -130,15 +133,26 @@ def check_jobs(url: str, completions: str | None, violations: list[str]) -> dict
         [
             "SELECT id, state, completed_at, attempts, max_attempts, fence_namespace, fence_project_id, fence_term "
             "FROM runtime_jobs",
-            "SELECT job_id, id, state, attempts, project_term, extract(epoch FROM at) FROM runtime_job_events "
-            "ORDER BY job_id, id",
+            "SELECT job_id, id, state, attempts, project_term, extract(epoch FROM at), step_attempt "
+            "FROM runtime_job_events ORDER BY job_id, id",
             "SELECT namespace, project_id, term, extract(epoch FROM created_at) FROM controller_election_events "
             "WHERE master_id IS NOT NULL",
         ],
     )
     history = collections.defaultdict(list)
-    for job_id, event_id, state, attempts, project_term, at in events:
+    steps_named = 0
+    for job_id, event_id, state, attempts, project_term, at, step_attempt in events:
         history[job_id].append((int(event_id), state, int(attempts), project_term, float(at)))
+        if step_attempt:
+            steps_named += 1
+            before = history[job_id][-2] if len(history[job_id]) > 1 else None
+            if int(step_attempt) != int(attempts) or not (
+                before and before[1] in ("claimed", "running") and before[2] == int(step_attempt)
+            ):
+                violations.append(
+                    f"job {job_id}: a step of attempt {step_attempt} made it {state} at attempt {attempts} "
+                    f"(the change before: {before})"
+                )
     # When each project's terms began (the row's time; the change commits a little later).
     began = collections.defaultdict(list)
     for ns, project, term, at in changes:
@@ -182,6 +196,7 @@ def check_jobs(url: str, completions: str | None, violations: list[str]) -> dict
         "jobs": sum(states.values()),
         **{f"jobs {s}": n for s, n in sorted(states.items())},
         "claims": claims_checked,
+        "steps naming their attempt": steps_named,
         "fenced claims": fenced_claims,
     }
     if completions:

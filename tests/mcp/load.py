@@ -111,7 +111,7 @@ class Load:
         if "rpc_error" in answer:
             outcome = f"rpc_error {answer['rpc_error']['code']}"
         elif answer["is_error"]:
-            outcome = ((answer.get("structured") or {}).get("error") or {}).get("code", "tool_error")
+            outcome = (answer.get("error") or {}).get("code", "tool_error")
         else:
             outcome = "ok"
         self.calls[tool][outcome] += 1

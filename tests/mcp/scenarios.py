@@ -95,9 +95,17 @@ async def connect(args: argparse.Namespace, client_name: str, token: str | None 
 
 
 def answer(result: Any) -> dict[str, Any]:
-    """What a tools/call answered: error flag, structured content, text."""
+    """What a tools/call answered: error flag, structured content, text, and for a tool
+    error the `error` object its text carries (SPEC §9: the JSON is the text, and an
+    error has no structured content)."""
     text = "".join(getattr(c, "text", "") for c in result.content)
-    return {"is_error": bool(result.is_error), "structured": result.structured_content, "text": text}
+    out = {"is_error": bool(result.is_error), "structured": result.structured_content, "text": text}
+    if result.is_error:
+        try:
+            out["error"] = json.loads(text).get("error")
+        except (ValueError, AttributeError):
+            out["error"] = None
+    return out
 
 
 async def call(client: Client, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:

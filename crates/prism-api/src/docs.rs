@@ -111,7 +111,8 @@ pub struct NotFound(ErrorBody);
 /// `stale_term`: not the project's current master term; `invalid_state`: the job is not in a
 /// state that allows this step; `job_finished`: the job is finished (succeeded, failed or
 /// cancelled); `idempotency_conflict`: the idempotency key was used with another request;
-/// `deadline_exceeded`: the job's attempt passed its `timeout_seconds`
+/// `deadline_exceeded`: the job's attempt passed its `timeout_seconds`; `stale_attempt`: the
+/// step is of an attempt that is no longer the job's current one
 #[derive(ToResponse)]
 #[allow(dead_code)]
 pub struct Conflict(ErrorBody);
@@ -133,8 +134,9 @@ pub struct Invalid(ErrorBody);
 
 /// `rate_limited`: too many requests that cost the operator a TokenReview or a hello
 /// from this address (or hellos for this Run identity); `quota_exceeded`: the caller, or
-/// the namespace, holds as many live registrations as its quota allows. `Retry-After`
-/// says when to try again (rate limits).
+/// the namespace, holds as many live registrations (or the namespace as many queued
+/// jobs) as its quota allows; `too_many_streams`: the caller holds as many watches, MCP
+/// streams and long-poll claims as it may. `Retry-After` says when to try again.
 #[derive(ToResponse)]
 #[allow(dead_code)]
 pub struct TooManyRequests(ErrorBody);

@@ -45,6 +45,7 @@ pub mod health;
 pub mod limits;
 pub mod mcp;
 pub mod runs;
+pub mod streams;
 pub mod strict;
 pub mod watch;
 
@@ -66,6 +67,8 @@ pub struct AppState {
     pub stopping: tokio::sync::watch::Receiver<bool>,
     /// What this replica hears of change on any replica (long polls, watches).
     pub signals: crate::signals::Signals,
+    /// The held requests (watches, MCP streams, long polls) of each caller (SPEC §12).
+    pub streams: Arc<streams::Streams>,
 }
 
 /// Every route of `/api/v1`, each with its OpenAPI operation: the router and the

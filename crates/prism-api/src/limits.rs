@@ -48,9 +48,11 @@ impl Limits {
         }
     }
 
-    /// Counts one hello for `identity` from `peer`.
-    pub fn hello(&self, identity: &str, peer: Option<IpAddr>) -> Result<(), ApiError> {
-        self.unauthenticated(peer)?;
+    /// Counts one hello for a Run identity whose proof checked out (`identity`:
+    /// `server/component`, validated). Charged only after the signature verifies, so that
+    /// nobody can spend a Run's budget with hellos in its name (SPEC §12); what came before
+    /// the proof was charged to the source address (`unauthenticated`).
+    pub fn proven_hello(&self, identity: &str) -> Result<(), ApiError> {
         spend(&self.hellos, &identity.to_string(), "too many hellos for this Run identity")
     }
 
@@ -105,15 +107,12 @@ mod tests {
         assert!(limits.unauthenticated(Some(b)).is_ok(), "another address has its own bucket");
         assert!(limits.unauthenticated(None).is_ok());
 
-        // Hellos spend the identity's bucket (and the address's: from no known address here).
-        assert!(limits.hello("srv/run", None).is_ok());
-        assert!(limits.hello("srv/run", None).is_ok());
-        assert_eq!(limits.hello("srv/run", None).expect_err("hello burst spent").code, "rate_limited");
-        assert!(limits.hello("srv/other", None).is_ok(), "another identity has its own bucket");
+        // Proven hellos spend the identity's bucket, and nothing else.
+        assert!(limits.proven_hello("srv/run").is_ok());
+        assert!(limits.proven_hello("srv/run").is_ok());
+        assert_eq!(limits.proven_hello("srv/run").expect_err("hello burst spent").code, "rate_limited");
+        assert!(limits.proven_hello("srv/other").is_ok(), "another identity has its own bucket");
         let c: IpAddr = "10.0.0.3".parse().expect("ip");
-        for n in 0..3 {
-            assert!(limits.hello(&format!("srv-{n}/run"), Some(c)).is_ok());
-        }
-        assert!(limits.hello("srv-9/run", Some(c)).is_err(), "hellos spend the address's bucket too");
+        assert!(limits.unauthenticated(Some(c)).is_ok(), "the address's bucket is its own");
     }
 }

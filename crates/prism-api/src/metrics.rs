@@ -67,7 +67,8 @@ pub struct StateLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
-    pub reason: String,
+    /// A fixed cause (`CancelCause`), never a caller's text: /metrics is unauthenticated.
+    pub reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -131,7 +132,7 @@ impl Default for Metrics {
         registry.register("runtime_jobs", "Jobs by state (all replicas, from Postgres)", jobs.clone());
         registry.register(
             "runtime_job_cancellations",
-            "Cancelled jobs by reason (all replicas, from Postgres; finished jobs are pruned after the retention)",
+            "Cancelled jobs by cause: requested, stale_term, identity_deleted, expired, grace, run_cancelled (all replicas, from Postgres; finished jobs are pruned after the retention)",
             job_cancellations.clone(),
         );
         registry.register(
@@ -229,7 +230,7 @@ impl Metrics {
         );
         self.job_cancellations.clear();
         for (reason, n) in &census.cancelled {
-            self.job_cancellations.get_or_create(&ReasonLabels { reason: reason.clone() }).set(*n);
+            self.job_cancellations.get_or_create(&ReasonLabels { reason: reason.as_str() }).set(*n);
         }
     }
 

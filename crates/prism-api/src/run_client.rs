@@ -19,9 +19,10 @@ use crate::run_registry::proof;
 pub enum ClientError {
     #[error("HTTP: {0}")]
     Http(#[from] reqwest::Error),
-    /// The operator said no: HTTP status and the error code of the body.
+    /// The operator said no: HTTP status, the error code of the body, and when to try
+    /// again if it said (`Retry-After`: a rate limit, an unavailable backend).
     #[error("{status} {code}: {message}")]
-    Refused { status: u16, code: String, message: String },
+    Refused { status: u16, code: String, message: String, retry_after: Option<std::time::Duration> },
     #[error("no session: say hello first")]
     NoSession,
     #[error("key file: {0}")]
@@ -140,6 +141,11 @@ pub struct RunClient {
     pub capacity: BTreeMap<String, i64>,
     /// Sent with each heartbeat when set: whether the Run is draining (SPEC §5.1).
     pub draining: Option<bool>,
+    /// Whether steps name the attempt their claim answered (SPEC §12; default true).
+    /// Off: steps as a Run written before attempts were named sends them.
+    pub name_attempts: bool,
+    /// The attempt each job this client claimed is at, until it completes it.
+    attempts: std::sync::Mutex<std::collections::HashMap<uuid::Uuid, i32>>,
 }
 
 async fn answer<T: serde::de::DeserializeOwned>(r: reqwest::Response) -> Result<T, ClientError> {
@@ -147,11 +153,18 @@ async fn answer<T: serde::de::DeserializeOwned>(r: reqwest::Response) -> Result<
     if status.is_success() {
         return Ok(r.json().await?);
     }
+    let retry_after = r
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(std::time::Duration::from_secs);
     let body: Value = r.json().await.unwrap_or(Value::Null);
     Err(ClientError::Refused {
         status: status.as_u16(),
         code: body["error"]["code"].as_str().unwrap_or("unknown").to_string(),
         message: body["error"]["message"].as_str().unwrap_or_default().to_string(),
+        retry_after,
     })
 }
 
@@ -171,6 +184,8 @@ impl RunClient {
             capabilities: JobKind::ALL.iter().map(|k| k.to_string()).collect(),
             capacity: [("slots".to_string(), 4)].into(),
             draining: None,
+            name_attempts: true,
+            attempts: Default::default(),
         }
     }
 
@@ -216,6 +231,25 @@ impl RunClient {
         let granted = self.post_hello(&self.hello_body(now, &random_nonce())).await?;
         self.token = Some(granted.session_token.clone());
         Ok(granted)
+    }
+
+    /// `hello`, waiting out what the operator asks to wait (`Retry-After` on a 429 or a
+    /// 503) and trying again, for at most `patience` in all; a refusal without
+    /// `Retry-After` (a failed proof) is answered at once. A Run that gave up at its first
+    /// 429 could be kept offline by anybody able to make its operator busy.
+    pub async fn hello_patiently(&mut self, patience: std::time::Duration) -> Result<Granted, ClientError> {
+        let until = tokio::time::Instant::now() + patience;
+        loop {
+            match self.hello().await {
+                Err(ClientError::Refused { retry_after: Some(wait), ref code, .. })
+                    if tokio::time::Instant::now() + wait <= until =>
+                {
+                    tracing::warn!(%code, wait_seconds = wait.as_secs(), "hello refused for now; trying again after Retry-After");
+                    tokio::time::sleep(wait.min(std::time::Duration::from_secs(60))).await;
+                }
+                answer => return answer,
+            }
+        }
     }
 
     fn token(&self) -> Result<&str, ClientError> {
@@ -265,11 +299,35 @@ impl RunClient {
             .timeout(CALL_TIMEOUT + std::time::Duration::from_secs(wait_seconds))
             .send()
             .await?;
-        answer(r).await
+        let claimed: Claimed = answer(r).await?;
+        if let Ok(mut attempts) = self.attempts.lock() {
+            for job in &claimed.jobs {
+                if let Some(n) = job.attempt {
+                    attempts.insert(job.id, n);
+                }
+            }
+        }
+        Ok(claimed)
     }
 
-    /// `action` is `ack`, `progress` or `complete`.
+    /// The attempt this client claimed `job` at, if it still holds it.
+    pub fn attempt_of(&self, job: &uuid::Uuid) -> Option<i32> {
+        self.attempts.lock().ok().and_then(|a| a.get(job).copied())
+    }
+
+    /// `action` is `ack`, `progress` or `complete`. The body names the attempt this client
+    /// claimed the job at (unless it names one itself, or `name_attempts` is off).
     pub async fn step(&self, job: &uuid::Uuid, action: &str, body: Option<Value>) -> Result<Job, ClientError> {
+        let body = match (self.name_attempts.then(|| self.attempt_of(job)).flatten(), body) {
+            (Some(n), None) => Some(json!({"attempt": n})),
+            (Some(n), Some(Value::Object(mut b))) => {
+                b.entry("attempt").or_insert(json!(n));
+                Some(Value::Object(b))
+            }
+            (_, body) => body,
+        };
+        let named =
+            body.as_ref().and_then(|b| b.get("attempt")).and_then(Value::as_i64).and_then(|n| i32::try_from(n).ok());
         let mut req = self
             .http
             .post(format!("{}/api/v1/runtime/jobs/{job}/{action}", self.base))
@@ -278,6 +336,21 @@ impl RunClient {
         if let Some(b) = body {
             req = req.json(&b);
         }
-        answer(req.send().await?).await
+        let done = answer(req.send().await?).await;
+        // Completed, or refused as over (finished, another attempt): nothing more to name,
+        // unless the step named another attempt than the one this client holds.
+        let over = match &done {
+            Ok(_) => action == "complete",
+            Err(e) => {
+                matches!(e.code(), Some("job_finished" | "stale_attempt" | "deadline_exceeded" | "job_not_found"))
+            }
+        };
+        if over && let Ok(mut attempts) = self.attempts.lock() {
+            let held = attempts.get(job).copied();
+            if named.is_none() || named == held {
+                attempts.remove(job);
+            }
+        }
+        done
     }
 }

@@ -114,9 +114,17 @@ pub async fn hello(
     ClientAddr(peer): ClientAddr,
     ApiJson(body): ApiJson<Hello>,
 ) -> Result<(StatusCode, Json<Granted>), ApiError> {
-    // Before any lookup: a hello costs Postgres reads and a signature check.
-    state.limits.hello(&format!("{}/{}", body.server_instance_id, body.component_kind), peer)?;
-    match state.registry.hello(&body, Utc::now()).await? {
+    // Before any lookup: a hello costs Postgres reads and a signature check, charged to
+    // the source address. The Run identity's own budget is spent only once its proof
+    // checks out: hellos signed by anybody else cannot lock it out (SPEC §12).
+    state.limits.unauthenticated(peer)?;
+    let proven = match state.registry.prove(&body, Utc::now()).await? {
+        Ok(proven) => proven,
+        Err(refused) => return Err(hello_refused(refused)),
+    };
+    let address = proven.address();
+    state.limits.proven_hello(&format!("{}/{}", address.server_instance_id, address.component_kind))?;
+    match state.registry.open(proven).await? {
         Ok((identity, granted)) => {
             // The session is granted whatever happens next; a lost signal only delays
             // `Online` in status until the reconciler's own requeue.
@@ -126,9 +134,15 @@ pub async fn hello(
             }
             Ok((StatusCode::CREATED, Json(granted)))
         }
-        Err(HelloError::Invalid(e)) => Err(ApiError::invalid(e.0)),
+        Err(refused) => Err(hello_refused(refused)),
+    }
+}
+
+fn hello_refused(e: HelloError) -> ApiError {
+    match e {
+        HelloError::Invalid(e) => ApiError::invalid(e.0),
         // Every failure of proof says its code and nothing more.
-        Err(HelloError::Refused(r)) => Err(ApiError::unauthenticated(r.code(), "hello refused")),
+        HelloError::Refused(r) => ApiError::unauthenticated(r.code(), "hello refused"),
     }
 }
 
@@ -413,6 +427,9 @@ fn enqueued(done: Enqueued) -> Result<(StatusCode, Job), ApiError> {
             "idempotency_conflict",
             "this idempotency_key was used within 24 h with another request",
         )),
+        Enqueued::QuotaExceeded { limit } => Err(ApiError::quota_exceeded(format!(
+            "the namespace holds {limit} queued jobs already (PRISM_MAX_QUEUED_JOBS_PER_NAMESPACE)"
+        ))),
         Enqueued::StaleTerm => {
             Err(ApiError::conflict("stale_term", "the fence's term is not its project's current master term"))
         }
@@ -703,6 +720,7 @@ pub struct Claimed {
         (status = 401, response = Unauthenticated),
         (status = 413, response = TooLarge),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -721,6 +739,8 @@ pub async fn claim(
         state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
         claim
     } else {
+        // A held request of the Run's session (SPEC §12): one of its share, for its wait.
+        let _held = state.streams.hold(crate::streams::Holder::RunSession(session.session_id))?;
         let _waiting = Waiting::on(&state.metrics);
         let until = tokio::time::Instant::now() + ask.wait;
         let mut stopping = state.stopping.clone();
@@ -739,20 +759,57 @@ pub async fn claim(
     Ok(Json(Claimed { jobs: claim.jobs, cancel: claim.cancel }))
 }
 
+/// The attempt a step is of: the `attempt` its claim answered (SPEC §12). Without it, the
+/// step counts only while the job's current attempt is the one this session claimed.
+fn checked_attempt(attempt: Option<i64>) -> Result<Option<i32>, ApiError> {
+    attempt
+        .map(|n| {
+            i32::try_from(n)
+                .ok()
+                .filter(|n| (1..=MAX_ATTEMPT).contains(n))
+                .ok_or_else(|| ApiError::invalid(format!("attempt must be 1 to {MAX_ATTEMPT}")))
+        })
+        .transpose()
+}
+
+/// The most attempts a job can have (`max_attempts` is 1 to 100).
+const MAX_ATTEMPT: i32 = 100;
+
+/// An ack's optional body: the attempt it is of.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AckBody {
+    /// The `attempt` the claim answered for this job.
+    #[schema(minimum = 1, maximum = 100)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
+    attempt: Option<i64>,
+}
+
+impl AckBody {
+    /// The attempt an ack body (maybe empty) names, checked.
+    pub fn parse(body: &[u8]) -> Result<Option<i32>, ApiError> {
+        checked_attempt(optional_json::<AckBody>(body)?.and_then(|b| b.attempt))
+    }
+}
+
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ProgressBody {
     #[schema(value_type = JsonbValue)]
     progress: Value,
+    /// The `attempt` the claim answered for this job.
+    #[schema(minimum = 1, maximum = 100)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
+    attempt: Option<i64>,
 }
 
 impl ProgressBody {
-    /// The progress a body reports, checked.
-    pub fn parse(body: &[u8]) -> Result<Value, ApiError> {
+    /// The progress a body reports, and the attempt it names, checked.
+    pub fn parse(body: &[u8]) -> Result<(Value, Option<i32>), ApiError> {
         let b: ProgressBody =
             optional_json(body)?.ok_or_else(|| ApiError::invalid("body {\"progress\": {...}} is required"))?;
         check_jsonb("progress", &b.progress).map_err(|e| ApiError::invalid(e.0))?;
-        Ok(b.progress)
+        Ok((b.progress, checked_attempt(b.attempt)?))
     }
 }
 
@@ -781,6 +838,10 @@ pub struct CompleteBody {
     #[serde(default)]
     #[schema(min_length = 1, max_length = 1024, pattern = "^[^\\u0000]*$")]
     error: Option<String>,
+    /// The `attempt` the claim answered for this job.
+    #[schema(minimum = 1, maximum = 100)]
+    #[serde(default, deserialize_with = "crate::json_int::opt_i64")]
+    attempt: Option<i64>,
 }
 
 /// A completion's `error`: 1 to 1024 characters, any but NUL (a stack trace keeps its
@@ -790,8 +851,8 @@ pub fn job_error_ok(e: &str) -> bool {
 }
 
 impl CompleteBody {
-    /// The step and result a body reports, checked.
-    pub fn parse(body: &[u8]) -> Result<(Step, Value), ApiError> {
+    /// The step, result and attempt a body reports, checked.
+    pub fn parse(body: &[u8]) -> Result<(Step, Value, Option<i32>), ApiError> {
         let b: CompleteBody = optional_json(body)?.ok_or_else(|| {
             ApiError::invalid(
                 "body {\"outcome\": \"succeeded\"|\"failed\"|\"cancelled\", \"result\": {...}} is required",
@@ -809,7 +870,7 @@ impl CompleteBody {
             Outcome::Cancelled => JobOutcome::Cancelled,
             Outcome::Failed => JobOutcome::Failed { retryable: b.retryable.unwrap_or(false), error: b.error },
         };
-        Ok((Step::Complete(outcome), result))
+        Ok((Step::Complete(outcome), result, checked_attempt(b.attempt)?))
     }
 }
 
@@ -819,6 +880,7 @@ impl CompleteBody {
     path = "/api/v1/runtime/jobs/{id}/ack",
     tag = "runtime",
     params(("id" = Uuid, Path, description = "The job id")),
+    request_body(content = Option<AckBody>, description = "Optional: the attempt it acknowledges"),
     security(("session" = [])),
     responses(
         (status = 200, description = "The job now", body = Job),
@@ -836,9 +898,11 @@ pub async fn ack(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     ApiPath(id): ApiPath<String>,
+    ApiBody(body): ApiBody,
 ) -> Result<Json<Job>, ApiError> {
     let id = job_id(&id)?;
-    job_step(&state, &headers, id, Step::Ack, None).await
+    let attempt = AckBody::parse(&body)?;
+    job_step(&state, &headers, id, Step::Ack, attempt, None).await
 }
 
 /// Report a job's progress
@@ -869,8 +933,8 @@ pub async fn progress(
     ApiBody(body): ApiBody,
 ) -> Result<Json<Job>, ApiError> {
     let id = job_id(&id)?;
-    let progress = ProgressBody::parse(&body)?;
-    job_step(&state, &headers, id, Step::Progress, Some(progress)).await
+    let (progress, attempt) = ProgressBody::parse(&body)?;
+    job_step(&state, &headers, id, Step::Progress, attempt, Some(progress)).await
 }
 
 /// Complete a job: succeeded or failed, with its result
@@ -901,8 +965,8 @@ pub async fn complete(
     ApiBody(body): ApiBody,
 ) -> Result<Json<Job>, ApiError> {
     let id = job_id(&id)?;
-    let (step, result) = CompleteBody::parse(&body)?;
-    let job = job_step(&state, &headers, id, step, Some(result)).await?;
+    let (step, result, attempt) = CompleteBody::parse(&body)?;
+    let job = job_step(&state, &headers, id, step, attempt, Some(result)).await?;
     state.metrics.attempts_ended(
         match job.state {
             JobState::Queued => "requeued",
@@ -925,10 +989,11 @@ async fn job_step(
     headers: &HeaderMap,
     id: Uuid,
     step: Step,
+    attempt: Option<i32>,
     value: Option<Value>,
 ) -> Result<Json<Job>, ApiError> {
     let (address, session) = authenticated(state, headers).await?;
-    match state.registry.step(&address, &session, id, &step, value.as_ref()).await? {
+    match state.registry.step(&address, &session, id, &step, attempt, value.as_ref()).await? {
         Ok(job) => Ok(Json(job)),
         Err(StepError::Session(refused)) => Err(session_refused(refused)),
         Err(StepError::Job(StepRefused::NotFound)) => {
@@ -943,6 +1008,10 @@ async fn job_step(
         Err(StepError::Job(StepRefused::DeadlinePassed)) => Err(ApiError::conflict(
             "deadline_exceeded",
             "the attempt passed its timeout_seconds: it has ended (retried or failed, as its attempts allow)",
+        )),
+        Err(StepError::Job(StepRefused::StaleAttempt)) => Err(ApiError::conflict(
+            "stale_attempt",
+            "this step is of an attempt that is no longer the job's current one: it has ended and changes nothing",
         )),
         Err(StepError::Job(StepRefused::WrongState(s))) => {
             Err(ApiError::conflict("invalid_state", format!("job is {s}")))
@@ -1104,6 +1173,18 @@ mod tests {
         let e = ClaimBody::parse(br#"{"max": 7} x"#).err().map(|e| e.code);
         assert_eq!(e, Some("malformed_json"));
         assert!(ProgressBody::parse(b"null").is_err());
+        // A step's attempt: absent, or 1 to 100.
+        assert_eq!(AckBody::parse(b"").ok(), Some(None));
+        assert_eq!(AckBody::parse(br#"{"attempt": 2}"#).ok(), Some(Some(2)));
+        for refused in
+            [&br#"{"attempt": 0}"#[..], br#"{"attempt": 101}"#, br#"{"attempt": "1"}"#, br#"{"attempt": 4294967297}"#]
+        {
+            assert!(AckBody::parse(refused).is_err_and(|e| e.status.is_client_error()), "{refused:?}");
+        }
+        assert_eq!(
+            CompleteBody::parse(br#"{"outcome": "succeeded", "attempt": 3}"#).ok().map(|(_, _, a)| a),
+            Some(Some(3))
+        );
         assert!(ProgressBody::parse(br#"{"progress": "a\u0000"}"#).is_err());
     }
 
@@ -1153,7 +1234,15 @@ mod tests {
         #[test]
         fn progress_bodies(bytes in body_bytes(json!({"progress": {"pct": 50}}))) {
             match ProgressBody::parse(&bytes) {
-                Ok(v) => prop_assert!(no_nul(&v)),
+                Ok((v, attempt)) => prop_assert!(no_nul(&v) && attempt.is_none_or(|n| (1..=MAX_ATTEMPT).contains(&n))),
+                Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
+            }
+        }
+
+        #[test]
+        fn ack_bodies(bytes in body_bytes(json!({"attempt": 2}))) {
+            match AckBody::parse(&bytes) {
+                Ok(attempt) => prop_assert!(attempt.is_none_or(|n| (1..=MAX_ATTEMPT).contains(&n))),
                 Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
             }
         }
@@ -1161,7 +1250,7 @@ mod tests {
         #[test]
         fn complete_bodies(bytes in body_bytes(json!({"outcome": "succeeded", "result": {"ok": true}}))) {
             match CompleteBody::parse(&bytes) {
-                Ok((_, v)) => prop_assert!(no_nul(&v)),
+                Ok((_, v, attempt)) => prop_assert!(no_nul(&v) && attempt.is_none_or(|n| (1..=MAX_ATTEMPT).contains(&n))),
                 Err(e) => prop_assert!(is_client_error(&e), "{} {}", e.status, e.message),
             }
         }

@@ -69,6 +69,16 @@ pub struct ApiArgs {
     #[arg(long, env = "PRISM_MAX_CONNECTIONS", default_value_t = 4096,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_connections: u32,
+    /// Held requests (SSE watches, MCP GET streams and `subscriptions/listen`, long-poll
+    /// claims) one Kubernetes identity, or one Run session, may hold at once on a replica;
+    /// 429 `too_many_streams` beyond (SPEC §12).
+    #[arg(long, env = "PRISM_MAX_STREAMS_PER_IDENTITY", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub max_streams_per_identity: u32,
+    /// How long one held stream lives before it ends cleanly (its client resumes).
+    #[arg(long, env = "PRISM_MAX_STREAM_SECONDS", default_value_t = 3600,
+          value_parser = clap::value_parser!(u32).range(10..=86_400))]
+    pub max_stream_seconds: u32,
 }
 
 /// A setting of the API that cannot be used, named by its variable.
@@ -100,6 +110,8 @@ pub struct ApiSettings {
     pub session_key: Option<SessionKey>,
     /// The listener's certificate and key, read and checked; None: plain HTTP.
     pub tls: Option<CertFiles>,
+    /// The held streams' bounds (SPEC §12).
+    pub streams: std::sync::Arc<crate::streams::Streams>,
 }
 
 impl ApiArgs {
@@ -129,6 +141,10 @@ impl ApiArgs {
             allowed_hosts,
             session_key,
             tls,
+            streams: crate::streams::Streams::new(
+                self.max_streams_per_identity as usize,
+                std::time::Duration::from_secs(u64::from(self.max_stream_seconds)),
+            ),
         })
     }
 
@@ -209,6 +225,7 @@ mod tests {
         let settings = a.read().unwrap();
         assert_eq!(settings.audiences, ["prism-operator"]);
         assert_eq!(settings.max_connections, 4096);
+        assert_eq!((a.max_streams_per_identity, settings.streams.lifetime().as_secs()), (16, 3600));
         assert!(settings.tls.is_none() && settings.session_key.is_none());
     }
 

@@ -8,11 +8,12 @@
 //!
 //! Authorized as status (`list` on registrations), and again every `RECHECK_EVERY`: a
 //! caller whose token or rights are revoked loses the stream (an `error` event says
-//! why) rather than keeping it forever. Nudges are taken only by a caller that may
+//! why) rather than keeping it forever. A watch is a held stream of its caller
+//! (`streams`): one of `PRISM_MAX_STREAMS_PER_IDENTITY`, at most
+//! `PRISM_MAX_STREAM_SECONDS` long, and a reader that falls behind gets `reset`. Nudges are taken only by a caller that may
 //! heartbeat the session (SPEC §4 rule 8), and only its own (`take_nudges`). A replica
 //! that stops ends its streams first (clients reconnect to another).
 
-use std::convert::Infallible;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,8 +21,7 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
-use futures::Stream;
-use tokio::sync::mpsc;
+use axum::response::{IntoResponse, Response};
 use tracing::{debug, warn};
 
 use super::AppState;
@@ -31,6 +31,7 @@ use super::docs::{BadRequest, Forbidden, Internal, Invalid, TooManyRequests, Una
 use super::error::{ApiError, ApiPath, ApiQuery, ClientAddr};
 use crate::agent_sessions::ChangeId;
 use crate::signals::ProjectKey;
+use crate::streams::{Holder, Outbox, bounded};
 
 /// Comments on an idle stream (SPEC §11: every 15 s).
 pub const KEEPALIVE: Duration = Duration::from_secs(15);
@@ -45,8 +46,9 @@ const RETRY: Duration = Duration::from_secs(2);
 #[allow(dead_code)] // Described, never built: the events are written by axum's `Event`.
 pub struct WatchEvent {
     /// `routing` (data: the routing table, as status answers it), `nudge` (data: a
-    /// nudge), `error` (data: `{"error": {"code", "message"}}`, then the stream ends).
-    #[schema(pattern = "^(routing|nudge|error)$")]
+    /// nudge), `error` (data: `{"error": {"code", "message"}}`, then the stream ends),
+    /// `reset` (the reader fell behind: the stream ends; watch again for a fresh table).
+    #[schema(pattern = "^(routing|nudge|error|reset)$")]
     event: String,
     /// `<term>.<seq>`, on `routing` events.
     #[schema(pattern = "^[0-9]+[.][0-9]+$")]
@@ -67,7 +69,7 @@ pub struct WatchEvent {
     ),
     security(("kubernetes" = [])),
     responses(
-        (status = 200, description = "`text/event-stream`: `routing` events (the routing table, id `<term>.<seq>`), `nudge` events, `error` when the stream ends for a reason", content_type = "text/event-stream", body = WatchEvent),
+        (status = 200, description = "`text/event-stream`: `routing` events (the routing table, id `<term>.<seq>`), `nudge` events, `error` when the stream ends for a reason, `reset` when the reader fell behind; it ends after PRISM_MAX_STREAM_SECONDS (watch again)", content_type = "text/event-stream", body = WatchEvent),
         (status = 400, response = BadRequest),
         (status = 401, response = Unauthenticated),
         (status = 403, response = Forbidden),
@@ -83,15 +85,17 @@ pub async fn watch(
     headers: HeaderMap,
     ApiPath(project_id): ApiPath<String>,
     ApiQuery(q): ApiQuery<StatusQuery>,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+) -> Result<Response, ApiError> {
     let namespace = q.check(&project_id)?;
     let caller = state.auth.authenticate(&headers, peer).await?;
     state.auth.authorize(&caller, "list", RESOURCE, &namespace).await?;
+    // Charged to the proven caller, after it may watch at all.
+    let permit = state.streams.hold(Holder::Identity(caller.username.clone()))?;
     let resume: Option<ChangeId> =
         headers.get("last-event-id").and_then(|v| v.to_str().ok()).and_then(|s| s.trim().parse().ok());
     let project = ProjectKey { namespace, project_id };
     let waiter = state.signals.project_waiter(&project);
-    let (tx, mut rx) = mpsc::channel::<Event>(16);
+    let (outbox, events) = Outbox::new();
     let stream = Watch {
         state: state.clone(),
         headers: auth_headers(&headers),
@@ -99,11 +103,16 @@ pub async fn watch(
         caller,
         project,
         session_id: q.session_id().map(str::to_owned),
-        tx,
+        outbox,
     };
     tokio::spawn(stream.run(waiter, resume));
-    let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok)));
-    Ok(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEPALIVE)))
+    Ok(held(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEPALIVE)).into_response(), permit, &state))
+}
+
+/// A streamed response holding its caller's permit, ended at the stream lifetime.
+pub fn held(response: Response, permit: crate::streams::Permit, state: &AppState) -> Response {
+    let (parts, body) = response.into_parts();
+    Response::from_parts(parts, bounded(body, permit, state.streams.lifetime()))
 }
 
 /// Resolves once the server stops (or its sender is gone).
@@ -127,7 +136,7 @@ struct Watch {
     caller: Caller,
     project: ProjectKey,
     session_id: Option<String>,
-    tx: mpsc::Sender<Event>,
+    outbox: Outbox,
 }
 
 /// Why a stream ended.
@@ -159,7 +168,7 @@ impl Watch {
                             Ok(event) => event,
                             Err(error) => break End::Because(ApiError::internal("watch: routing event", error)),
                         };
-                    if self.tx.send(event).await.is_err() {
+                    if self.outbox.offer(event).await.is_err() {
                         break End::Quietly;
                     }
                     last = Some(current.id);
@@ -187,7 +196,7 @@ impl Watch {
                             break Some(End::Because(refused));
                         }
                     }
-                    _ = self.tx.closed() => break Some(End::Quietly),
+                    _ = self.outbox.closed() => break Some(End::Quietly),
                     _ = stopped(&mut stopping) => break Some(End::Quietly),
                 }
             };
@@ -199,7 +208,9 @@ impl Watch {
             debug!(namespace = %self.project.namespace, project_id = %self.project.project_id, code = error.code,
                    "watch ended");
             let body = serde_json::json!({"error": {"code": error.code, "message": error.message}});
-            let _ = self.tx.send(Event::default().event("error").data(body.to_string())).await;
+            self.outbox.end(Some(Event::default().event("error").data(body.to_string())));
+        } else {
+            self.outbox.end(None);
         }
     }
 
@@ -234,7 +245,7 @@ impl Watch {
                 .event("nudge")
                 .json_data(&nudge)
                 .map_err(|e| End::Because(ApiError::internal("watch: nudge event", e)))?;
-            if self.tx.send(event).await.is_err() {
+            if self.outbox.offer(event).await.is_err() {
                 return Err(End::Quietly);
             }
         }

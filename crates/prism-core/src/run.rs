@@ -170,4 +170,6 @@ pub struct Reaped {
     /// Jobs cancelled: a cancel requested past its grace, or an ended attempt of a job
     /// whose cancel was requested.
     pub cancelled: u64,
+    /// Jobs left queued past their time, cancelled (cause `expired`).
+    pub expired: u64,
 }

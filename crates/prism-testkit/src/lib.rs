@@ -735,7 +735,8 @@ pub async fn sa_token(cp: &ControlPlane, namespace: &str, sa: &str, resource: &s
 /// One more Role for ServiceAccount `sa` (made by `sa_token`): `verbs` on `resource`.
 pub async fn grant(cp: &ControlPlane, namespace: &str, sa: &str, resource: &str, verbs: &[&str]) {
     let subject = serde_json::json!({"kind": "ServiceAccount", "name": sa, "namespace": namespace});
-    bind(cp, namespace, &format!("{sa}-{resource}"), subject, resource, verbs, None).await;
+    // A subresource (`controllerregistrations/owned`) names the Role without its slash.
+    bind(cp, namespace, &format!("{sa}-{}", resource.replace('/', "-")), subject, resource, verbs, None).await;
 }
 
 /// The audience agents' tokens are made for, as the MCP guide says (SPEC §12).

@@ -104,7 +104,8 @@ impl Endpoint {
             if parts.method == Method::GET && accepts_event_stream(&parts.headers) {
                 let follower =
                     resources::Follower { caller, headers: super::watch::auth_headers(&parts.headers), peer };
-                return Ok(subscriptions::stream(self.state.clone(), follower, session));
+                return subscriptions::stream(self.state.clone(), follower, session)
+                    .map_err(IntoResponse::into_response);
             }
             if parts.method == Method::DELETE {
                 self.state
@@ -139,6 +140,21 @@ impl Endpoint {
             let result = self.tools.complete(call.tool, call.arguments, &cx, tools::Via::Direct).await;
             return Ok(direct::answer(call.id, result, call.generation));
         }
+        // A listen is a held stream of its caller (SPEC §12): its place is taken here and
+        // held by the response body, which ends at the stream lifetime.
+        let held = match &peeked.listen {
+            Some(_) => match self.state.streams.hold(crate::streams::Holder::Identity(caller.username.clone())) {
+                Ok(permit) => Some(permit),
+                Err(e) => {
+                    let mut refused = rpc_error(e.status, peeked.id.clone(), resources::rpc_error(&e));
+                    if let Some(wait) = e.retry_after {
+                        refused.headers_mut().insert(header::RETRY_AFTER, wait.as_secs().max(1).into());
+                    }
+                    return Err(*refused);
+                }
+            },
+            None => None,
+        };
         // rmcp acknowledges a listen before its handler runs: where the followed projects
         // stand is read here, before, so that a change in between is notified.
         if let Some(requested) = &peeked.listen
@@ -152,6 +168,9 @@ impl Endpoint {
         }
         let response = self.service.handle(axum::http::Request::from_parts(parts, Body::from(bytes))).await;
         let mut response = response.map(Body::new);
+        if let Some(permit) = held {
+            response = crate::watch::held(response, permit, &self.state);
+        }
         if json_body {
             response = rewrite_refusal(response, peeked.id).await;
         }

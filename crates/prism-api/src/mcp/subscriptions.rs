@@ -16,15 +16,12 @@
 //! subscriptions of namespaces it may no longer read (revocation is level-triggered).
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures::Stream;
 use serde_json::json;
-use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::SessionFacts;
@@ -34,6 +31,7 @@ use crate::auth::Caller;
 use crate::db::QueryError;
 use crate::mcp_store::{FollowQuota, McpStore, SessionRows};
 use crate::signals::ProjectKey;
+use crate::streams::{Holder, Outbox};
 use crate::watch::{KEEPALIVE, RECHECK_EVERY, stopped};
 use crate::{ApiError, AppState};
 
@@ -98,20 +96,22 @@ fn no_session() -> ApiError {
 }
 
 /// `GET /mcp` of a session: its notifications, as Server-Sent Events of JSON-RPC
-/// messages.
-pub fn stream(state: Arc<AppState>, follower: Follower, session: SessionFacts) -> Response {
-    let (tx, mut rx) = mpsc::channel::<Event>(16);
-    tokio::spawn(SessionStream { state, follower, session, tx }.run());
-    let events = futures::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|e| e.map(Ok::<_, Infallible>)));
-    let events: std::pin::Pin<Box<dyn Stream<Item = Result<Event, Infallible>> + Send>> = Box::pin(events);
-    Sse::new(events).keep_alive(KeepAlive::new().interval(KEEPALIVE)).into_response()
+/// messages. A held stream of its caller (`streams`): 429 `too_many_streams` past its
+/// share, ended after the stream lifetime, `reset` for a reader that falls behind.
+pub fn stream(state: Arc<AppState>, follower: Follower, session: SessionFacts) -> Result<Response, ApiError> {
+    let permit = state.streams.hold(Holder::Identity(follower.caller.username.clone()))?;
+    let (outbox, events) = Outbox::new();
+    let response = Sse::new(events).keep_alive(KeepAlive::new().interval(KEEPALIVE)).into_response();
+    let response = crate::watch::held(response, permit, &state);
+    tokio::spawn(SessionStream { state, follower, session, outbox }.run());
+    Ok(response)
 }
 
 struct SessionStream {
     state: Arc<AppState>,
     follower: Follower,
     session: SessionFacts,
-    tx: mpsc::Sender<Event>,
+    outbox: Outbox,
 }
 
 impl SessionStream {
@@ -154,7 +154,8 @@ impl SessionStream {
                     for uri in uris.get(&project).into_iter().flatten() {
                         let message = json!({"jsonrpc": "2.0", "method": "notifications/resources/updated",
                                              "params": {"uri": uri}});
-                        if self.tx.send(Event::default().event("message").data(message.to_string())).await.is_err() {
+                        let event = Event::default().event("message").data(message.to_string());
+                        if self.outbox.offer(event).await.is_err() {
                             return;
                         }
                     }
@@ -179,7 +180,7 @@ impl SessionStream {
                             renewing = true;
                             break true;
                         }
-                        _ = self.tx.closed() => return,
+                        _ = self.outbox.closed() => return,
                         _ = stopped(&mut stopping) => return,
                     }
                 };

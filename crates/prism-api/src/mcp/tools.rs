@@ -1,8 +1,8 @@
 //! The seven tools of SPEC §9 over the agent sessions service: parse, resolve the
 //! namespace, authorize (SubjectAccessReview, as the HTTP API does), heartbeat the
 //! session a call names, call, shape the answer. Refusals and bad input are tool results
-//! with `isError: true` and `{"error": {"code", "message"}}` (the HTTP API's codes); only
-//! an unknown tool is a JSON-RPC error.
+//! with `isError: true` whose text is `{"error": {"code", "message"}}` (the HTTP API's
+//! codes) and no `structuredContent`; only an unknown tool is a JSON-RPC error.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -190,8 +190,8 @@ impl ToolName {
         ToolAnnotations::new().read_only(read_only).destructive(false).idempotent(idempotent).open_world(false)
     }
 
-    /// What the tool's `structuredContent` conforms to when it succeeds (SPEC §9); a
-    /// refused call's is `{"error": {"code", "message"}}` with `isError: true`. Fields
+    /// What the tool's `structuredContent` conforms to (SPEC §9); a refused call has none,
+    /// its error JSON is the text (`tool_error`). Fields
     /// are listed, not closed: a later version may add some.
     fn output_schema(self) -> Value {
         let text = json!({"type": "string"});
@@ -475,10 +475,14 @@ fn render(answer: Answer) -> CallToolResult {
     result
 }
 
+/// A refusal (SPEC §9): `isError` with the HTTP API's error JSON as the text and no
+/// `structuredContent`. Clients (the official TypeScript SDK among them) check
+/// `structuredContent` against the tool's `outputSchema` even on errors, so an error object
+/// there turned every refusal into an opaque schema error and hid the code from the agent.
 fn tool_error(e: &ApiError) -> CallToolResult {
-    let mut result = CallToolResult::error(vec![ContentBlock::text(format!("error {}: {}", e.code, e.message))]);
-    result.structured_content = Some(json!({"error": {"code": e.code, "message": e.message}}));
-    result
+    CallToolResult::error(vec![ContentBlock::text(
+        json!({"error": {"code": e.code, "message": e.message}}).to_string(),
+    )])
 }
 
 /// The MCP server: one per request (rmcp's service factory), over the shared state.
@@ -1017,6 +1021,10 @@ mod tests {
         assert!(text.starts_with("You were preempted: desk (session s-desk, claude_desktop)"), "{text}");
         let error = tool_error(&ApiError::not_owned("s"));
         assert_eq!(error.is_error, Some(true));
-        assert_eq!(error.structured_content.expect("structured")["error"]["code"], "session_not_owned");
+        assert!(error.structured_content.is_none(), "no outputSchema admits an error object");
+        let text =
+            serde_json::to_value(&error.content[0]).expect("json")["text"].as_str().unwrap_or_default().to_string();
+        let body: Value = serde_json::from_str(&text).expect("the text is the error JSON");
+        assert_eq!(body["error"]["code"], "session_not_owned");
     }
 }

@@ -583,7 +583,8 @@ async fn the_registry_watch_asks_for_every_runsession_when_redis_goes_and_when_i
 async fn the_reaper_counts_what_it_ended_by_outcome() {
     let (client, _server) = api_server();
     let (ctx, metrics) = context(client, false);
-    *ctx.registry.reaped.lock().expect("lock") = prism_core::run::Reaped { requeued: 2, failed: 1, cancelled: 0 };
+    *ctx.registry.reaped.lock().expect("lock") =
+        prism_core::run::Reaped { requeued: 2, failed: 1, cancelled: 0, expired: 0 };
     let reaper = tokio::spawn(run_reaper(ctx.clone(), Duration::from_millis(5)));
     tokio::time::sleep(Duration::from_millis(50)).await;
     reaper.abort();

@@ -493,7 +493,8 @@ pub async fn run_reaper<E: Elections, R: Runs>(ctx: Arc<Context<E, R>>, interval
                     requeued = r.requeued,
                     failed = r.failed,
                     cancelled = r.cancelled,
-                    "job attempts ended by their visibility timeout, deadline or cancel grace"
+                    expired = r.expired,
+                    "jobs reaped: attempts ended by their visibility timeout, deadline or cancel grace; jobs left queued past their time cancelled"
                 );
             }
             Err(e) => warn!(error = %e, "job reaper failed; next attempt at the next interval"),

@@ -42,6 +42,25 @@ text_enum! {
     }
 }
 
+text_enum! {
+    /// Why a job was cancelled, as metrics name it (SPEC §12: fixed causes, never the
+    /// canceller's free text, which stays in `cancel_reason`; also a Postgres CHECK).
+    pub enum CancelCause {
+        /// A caller cancelled it (`POST …/cancel`).
+        Requested = "requested",
+        /// Its fence's term passed.
+        StaleTerm = "stale_term",
+        /// Its RunSession was deleted.
+        IdentityDeleted = "identity_deleted",
+        /// It stayed queued past `PRISM_JOB_QUEUED_TTL_HOURS`.
+        Expired = "expired",
+        /// Its Run did not honour a cancel request within the grace.
+        Grace = "grace",
+        /// The Run ended it as cancelled, unasked.
+        RunCancelled = "run_cancelled",
+    }
+}
+
 impl JobState {
     pub fn finished(self) -> bool {
         matches!(self, JobState::Succeeded | JobState::Failed | JobState::Cancelled)
@@ -74,6 +93,8 @@ pub struct Job {
     pub state: JobState,
     /// Attempts begun (claims) so far.
     pub attempts: i32,
+    /// The attempt in flight (claimed or running): the number its steps name (SPEC §12).
+    pub attempt: Option<i32>,
     pub max_attempts: i32,
     /// How long one attempt may run.
     pub timeout_seconds: i32,
@@ -136,6 +157,7 @@ impl From<JobRow> for Job {
             payload: r.payload,
             state: r.state,
             attempts: r.attempts,
+            attempt: matches!(r.state, JobState::Claimed | JobState::Running).then_some(r.attempts),
             max_attempts: r.max_attempts,
             timeout_seconds: r.timeout_seconds,
             idempotency_key: r.idempotency_key,
@@ -240,6 +262,10 @@ pub enum Enqueued {
     IdempotencyConflict,
     /// The fence's term is not its project's current master term.
     StaleTerm,
+    /// The namespace holds its quota of queued jobs already.
+    QuotaExceeded {
+        limit: i64,
+    },
 }
 
 /// What a claim may hand a session (SPEC §5.1 eligibility).
@@ -277,6 +303,31 @@ pub enum StepRefused {
     /// The attempt outlived its `timeout_seconds`: it has ended, whatever the Run says
     /// now (the reaper records it within seconds).
     DeadlinePassed,
+    /// The step is of an attempt that is no longer the job's current one (it timed out and
+    /// the job was queued or claimed again): 409 `stale_attempt`, nothing changes.
+    StaleAttempt,
+}
+
+/// Which attempt a step is of (SPEC §12, "a step names its attempt").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attempt {
+    /// The number the claim answered (`attempt`): any session of the identity may step it
+    /// while it is the job's current attempt.
+    Named(i32),
+    /// A step that names none (a Run written before attempts were named): accepted only
+    /// while the job's current attempt is the one this session claimed.
+    OfSession(Uuid),
+}
+
+impl Attempt {
+    /// Whether a job whose latest attempt is `attempts`, claimed by `claimed_by`, is still
+    /// at this attempt. Mirrors the step's SQL guard, to say why a step was refused.
+    fn current(self, attempts: i32, claimed_by: Option<Uuid>) -> bool {
+        match self {
+            Attempt::Named(n) => n == attempts,
+            Attempt::OfSession(session) => claimed_by == Some(session),
+        }
+    }
 }
 
 /// How the Run ends an attempt.
@@ -292,6 +343,44 @@ pub enum Step {
     Ack,
     Progress,
     Complete(Outcome),
+}
+
+/// A job whose step was refused, as read to say why.
+#[derive(sqlx::FromRow)]
+struct RefusedJob {
+    namespace: String,
+    server_instance_id: String,
+    component_kind: String,
+    state: JobState,
+    late: bool,
+    attempts: i32,
+    claimed_by_session: Option<Uuid>,
+}
+
+impl RefusedJob {
+    /// Why a step of `attempt` by a session of `namespace` at `a` was refused. Another
+    /// namespace's job is no job at all to this session: its existence is not told.
+    fn why(&self, namespace: &str, a: &RunAddress, attempt: Attempt) -> StepRefused {
+        if self.namespace != namespace {
+            return StepRefused::NotFound;
+        }
+        if self.server_instance_id != a.server_instance_id || self.component_kind != a.component_kind {
+            return StepRefused::CrossTarget;
+        }
+        let current = attempt.current(self.attempts, self.claimed_by_session);
+        match self.state {
+            // Finished after another attempt: this one's word came too late to count.
+            s if s.finished() => match attempt {
+                Attempt::Named(n) if n != self.attempts => StepRefused::StaleAttempt,
+                _ => StepRefused::Finished(s),
+            },
+            JobState::Claimed | JobState::Running if !current => StepRefused::StaleAttempt,
+            JobState::Claimed | JobState::Running if self.late => StepRefused::DeadlinePassed,
+            // Queued again after an attempt ended (timed out, or failed retryably).
+            JobState::Queued if self.attempts > 0 => StepRefused::StaleAttempt,
+            s => StepRefused::WrongState(s),
+        }
+    }
 }
 
 /// What a cancel did (SPEC §5.1).
@@ -353,6 +442,10 @@ pub struct JobSettings {
     pub default_timeout_seconds: i32,
     /// How long a Run has to honour a cancel request before the job is cancelled anyway.
     pub cancel_grace: std::time::Duration,
+    /// Queued jobs a namespace may hold at once (SPEC §12): beyond, 429 `quota_exceeded`.
+    pub max_queued_per_namespace: i64,
+    /// A job still queued after this is cancelled (cause `expired`).
+    pub queued_ttl: std::time::Duration,
 }
 
 impl Default for JobSettings {
@@ -362,6 +455,8 @@ impl Default for JobSettings {
             default_max_attempts: 3,
             default_timeout_seconds: 600,
             cancel_grace: std::time::Duration::from_secs(30),
+            max_queued_per_namespace: 100_000,
+            queued_ttl: std::time::Duration::from_secs(72 * 3600),
         }
     }
 }
@@ -473,6 +568,19 @@ impl JobStore {
             if current != Some((f.term, true)) {
                 return Ok(Some(Enqueued::StaleTerm));
             }
+        }
+        // The namespace's queued jobs, from the trigger-kept count (16 rows at most, whatever
+        // the backlog). Concurrent enqueues may pass the quota by as many as race here: a
+        // bound, not an exact count.
+        let queued: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(sum(queued), 0)::int8 FROM runtime_job_queue_counts WHERE namespace = $1",
+        )
+        .bind(namespace)
+        .fetch_one(&mut *tx)
+        .await
+        .step("enqueue: count the namespace's queued jobs")?;
+        if queued >= self.settings.max_queued_per_namespace {
+            return Ok(Some(Enqueued::QuotaExceeded { limit: self.settings.max_queued_per_namespace }));
         }
         let sql = format!(
             "INSERT INTO runtime_jobs (id, namespace, server_instance_id, component_kind, kind, payload, max_attempts,
@@ -621,10 +729,12 @@ impl JobStore {
         a: &RunAddress,
         id: Uuid,
         step: &Step,
+        attempt: Attempt,
         body: Option<&Value>,
     ) -> Result<Result<Job, StepRefused>, RegistryError> {
-        // $1-$4 and $6 in every step; $5 is the visibility timeout for ack/progress, the
-        // error for a complete. Nothing of the caller's is spliced into the text.
+        // $1-$4 and $6-$8 in every step; $5 is the visibility timeout for ack/progress, the
+        // error for a complete; $7/$8 the attempt (its number, or the session that claimed
+        // it). Nothing of the caller's is spliced into the text.
         let set = match step {
             Step::Ack => {
                 "state = 'running', progress = COALESCE($4::jsonb, progress), visible_at = now() + make_interval(secs => $5::float8)"
@@ -637,7 +747,8 @@ impl JobStore {
             }
             Step::Complete(Outcome::Cancelled) => {
                 "state = 'cancelled', result = $4::jsonb, completed_at = now(), visible_at = NULL, deadline_at = NULL,
-                 cancel_reason = COALESCE(cancel_reason, 'run_cancelled')"
+                 cancel_reason = COALESCE(cancel_reason, 'run_cancelled'),
+                 cancel_cause = COALESCE(cancel_cause, 'run_cancelled')"
             }
             // A retryable failure with attempts left goes back to the queue after the
             // backoff, unless its cancel was requested; otherwise it failed for good.
@@ -656,10 +767,16 @@ impl JobStore {
             }
         };
         let set = set.replace("BACKOFF", BACKOFF);
+        // `named`: the attempt the step names, for the history row of the change it makes
+        // (a setting of this statement's own transaction; the events trigger reads it).
         let sql = format!(
-            "UPDATE runtime_jobs SET {set}, updated_at = now()
+            "WITH named AS (SELECT set_config('prism.step_attempt', COALESCE($7::int4::text, ''), true))
+             UPDATE runtime_jobs SET {set}, updated_at = now()
              WHERE id = $1 AND server_instance_id = $2 AND component_kind = $3 AND namespace = $6
                AND state IN ('claimed','running') AND deadline_at >= now()
+               AND CASE WHEN $7::int4 IS NOT NULL THEN attempts = $7::int4
+                        ELSE claimed_by_session IS NOT DISTINCT FROM $8::uuid END
+               AND (SELECT count(*) FROM named) = 1
              RETURNING {COLUMNS}"
         );
         let update = sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -675,14 +792,19 @@ impl JobStore {
             Step::Complete(_) => update.bind(None::<String>),
         }
         .bind(namespace);
+        let update = match attempt {
+            Attempt::Named(n) => update.bind(Some(n)).bind(None::<Uuid>),
+            Attempt::OfSession(session) => update.bind(None::<i32>).bind(Some(session)),
+        };
         let done: Option<JobRow> = update.fetch_optional(&self.pool).await.step("job step: update the job")?;
         if let Some(job) = done {
             return Ok(Ok(job.into()));
         }
         // Say why, without changing anything. Another namespace's job is no job at all
         // to this session: its existence is not told.
-        let existing: Option<(String, String, String, JobState, bool)> = sqlx::query_as(
-            "SELECT namespace, server_instance_id, component_kind, state, COALESCE(deadline_at < now(), false)
+        let existing: Option<RefusedJob> = sqlx::query_as(
+            "SELECT namespace, server_instance_id, component_kind, state, COALESCE(deadline_at < now(), false) AS late,
+                    attempts, claimed_by_session
              FROM runtime_jobs WHERE id = $1",
         )
         .bind(id)
@@ -691,11 +813,7 @@ impl JobStore {
         .step("job step: read the refused job")?;
         Ok(Err(match existing {
             None => StepRefused::NotFound,
-            Some((ns, ..)) if ns != namespace => StepRefused::NotFound,
-            Some((_, s, c, ..)) if s != a.server_instance_id || c != a.component_kind => StepRefused::CrossTarget,
-            Some((_, _, _, state, _)) if state.finished() => StepRefused::Finished(state),
-            Some((_, _, _, JobState::Claimed | JobState::Running, true)) => StepRefused::DeadlinePassed,
-            Some((_, _, _, state, _)) => StepRefused::WrongState(state),
+            Some(j) => j.why(namespace, a, attempt),
         }))
     }
 
@@ -714,7 +832,8 @@ impl JobStore {
                  state = CASE WHEN state = 'queued' THEN 'cancelled' ELSE state END,
                  completed_at = CASE WHEN state = 'queued' THEN now() ELSE completed_at END,
                  cancel_requested_at = CASE WHEN state = 'queued' THEN NULL ELSE COALESCE(cancel_requested_at, now()) END,
-                 cancel_reason = COALESCE(cancel_reason, $3), updated_at = now()
+                 cancel_reason = COALESCE(cancel_reason, $3),
+                 cancel_cause = COALESCE(cancel_cause, 'requested'), updated_at = now()
              WHERE id = $1 AND namespace = $2 AND state IN ('queued','claimed','running')
              RETURNING {COLUMNS}"
         );
@@ -753,7 +872,7 @@ impl JobStore {
     ) -> Result<u64, RegistryError> {
         let done = sqlx::query(
             "UPDATE runtime_jobs SET state = 'cancelled', cancel_reason = COALESCE(cancel_reason, $4),
-                 completed_at = now(), visible_at = NULL, deadline_at = NULL, claimed_by_session = NULL, updated_at = now()
+                 cancel_cause = COALESCE(cancel_cause, 'identity_deleted'), completed_at = now(), visible_at = NULL, deadline_at = NULL, claimed_by_session = NULL, updated_at = now()
              WHERE namespace = $1 AND server_instance_id = $2 AND component_kind = $3
                AND state IN ('queued','claimed','running')
                AND created_at <= (SELECT revoked_at FROM run_identities WHERE id = $5)",
@@ -825,7 +944,7 @@ impl JobStore {
         }
         let graced = sqlx::query(
             "UPDATE runtime_jobs SET state = 'cancelled', completed_at = now(), claimed_by_session = NULL,
-                 visible_at = NULL, deadline_at = NULL, updated_at = now()
+                 visible_at = NULL, deadline_at = NULL, cancel_cause = 'grace', updated_at = now()
              WHERE state IN ('claimed','running') AND cancel_requested_at < now() - make_interval(secs => $1)",
         )
         .bind(self.settings.cancel_grace.as_secs_f64())
@@ -833,6 +952,21 @@ impl JobStore {
         .await
         .step("reaper: cancel what outlived its cancel grace")?;
         reaped.cancelled += graced.rows_affected();
+        // Jobs left queued past their time (SPEC §12), oldest first, in batches: a backlog
+        // of any size ends without one long statement.
+        reaped.expired = crate::election::store::prune_batches(&self.pool, "reaper: expire jobs left queued", || {
+            sqlx::query(
+                "UPDATE runtime_jobs SET state = 'cancelled', completed_at = now(), updated_at = now(),
+                     cancel_reason = COALESCE(cancel_reason, 'expired'), cancel_cause = 'expired'
+                 WHERE id IN (
+                     SELECT id FROM runtime_jobs
+                     WHERE state = 'queued' AND created_at < now() - make_interval(secs => $1)
+                     ORDER BY created_at LIMIT 1000
+                     FOR UPDATE SKIP LOCKED)",
+            )
+            .bind(self.settings.queued_ttl.as_secs_f64())
+        })
+        .await?;
         Ok(reaped)
     }
 
@@ -843,8 +977,12 @@ impl JobStore {
             .fetch_all(&self.pool)
             .await
             .step("metrics: count jobs by state")?;
-        let cancelled: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT COALESCE(cancel_reason, 'unknown'), count(*) FROM runtime_jobs WHERE state = 'cancelled' GROUP BY 1",
+        // By fixed cause only; rows an earlier release cancelled have no cause: their reason
+        // names it when it is one of the fixed words, else a caller asked.
+        let cancelled: Vec<(CancelCause, i64)> = sqlx::query_as(
+            "SELECT COALESCE(cancel_cause, CASE WHEN cancel_reason IN ('stale_term','identity_deleted','run_cancelled')
+                                               THEN cancel_reason ELSE 'requested' END), count(*)
+             FROM runtime_jobs WHERE state = 'cancelled' GROUP BY 1",
         )
         .fetch_all(&self.pool)
         .await
@@ -857,7 +995,7 @@ impl JobStore {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct JobCensus {
     pub by_state: Vec<(JobState, i64)>,
-    pub cancelled: Vec<(String, i64)>,
+    pub cancelled: Vec<(CancelCause, i64)>,
 }
 
 /// Text the CHECK on `last_error` takes: at most `MAX_ERROR_CHARS`, never empty.
@@ -912,6 +1050,45 @@ mod tests {
         assert_eq!(Eligibility::of(&[], &Default::default()), Eligibility { kinds: None, slots: None });
         // Capabilities that name no job kind: no job is eligible (not every kind).
         assert_eq!(Eligibility::of(&["gpu".to_string()], &Default::default()).kinds, Some(vec![]));
+    }
+
+    #[test]
+    fn a_refused_step_says_which_attempt_it_missed() {
+        let here = RunAddress { server_instance_id: "srv".into(), component_kind: "run".into() };
+        let (mine, other) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let job = |state, attempts, claimed_by, late| RefusedJob {
+            namespace: "ns".into(),
+            server_instance_id: "srv".into(),
+            component_kind: "run".into(),
+            state,
+            late,
+            attempts,
+            claimed_by_session: claimed_by,
+        };
+        let why = |j: RefusedJob, attempt| j.why("ns", &here, attempt);
+        use Attempt::{Named, OfSession};
+        // Another attempt holds it, or it went back to the queue: stale, whatever the deadline.
+        assert_eq!(why(job(JobState::Claimed, 2, Some(mine), true), Named(1)), StepRefused::StaleAttempt);
+        assert_eq!(why(job(JobState::Running, 2, Some(other), false), OfSession(mine)), StepRefused::StaleAttempt);
+        assert_eq!(why(job(JobState::Queued, 1, None, false), Named(1)), StepRefused::StaleAttempt);
+        assert_eq!(
+            why(job(JobState::Queued, 0, None, false), OfSession(mine)),
+            StepRefused::WrongState(JobState::Queued)
+        );
+        // Its own attempt, too late.
+        assert_eq!(why(job(JobState::Running, 2, Some(other), true), Named(2)), StepRefused::DeadlinePassed);
+        assert_eq!(why(job(JobState::Running, 2, Some(mine), true), OfSession(mine)), StepRefused::DeadlinePassed);
+        // Finished: by its own attempt (or unnamed) finished, by a later one stale.
+        assert_eq!(why(job(JobState::Succeeded, 2, None, false), Named(2)), StepRefused::Finished(JobState::Succeeded));
+        assert_eq!(why(job(JobState::Failed, 3, None, false), Named(1)), StepRefused::StaleAttempt);
+        assert_eq!(
+            why(job(JobState::Cancelled, 3, None, false), OfSession(mine)),
+            StepRefused::Finished(JobState::Cancelled)
+        );
+        // Tenancy and target come first: nothing about attempts is told to another tenant.
+        assert_eq!(job(JobState::Claimed, 2, Some(mine), false).why("other", &here, Named(1)), StepRefused::NotFound);
+        let there = RunAddress { server_instance_id: "srv-2".into(), component_kind: "run".into() };
+        assert_eq!(job(JobState::Claimed, 2, Some(mine), false).why("ns", &there, Named(1)), StepRefused::CrossTarget);
     }
 
     #[test]

@@ -16,7 +16,8 @@ use uuid::Uuid;
 use super::RegistryError;
 use super::identity::{Acting, HelloMark, Identity, IdentitySpec, IdentityStore, Mirror};
 use super::jobs::{
-    Cancel, Cursor, Eligibility, Enqueued, Job, JobCensus, JobFilter, JobStore, NewJob, Reaped, Step, StepRefused,
+    Attempt, Cancel, Cursor, Eligibility, Enqueued, Job, JobCensus, JobFilter, JobStore, NewJob, Reaped, Step,
+    StepRefused,
 };
 use super::proof;
 use super::sessions::{
@@ -441,14 +442,16 @@ impl RunRegistry {
         lease_seconds.map(|s| s.max(1) as u32).unwrap_or(self.default_lease_seconds)
     }
 
-    /// Checks the proof and opens (or rotates) the session. The outer error is
-    /// infrastructure (503); the inner one the refusal to report.
+    /// Checks a hello's proof (its fields, the identity, generation, clock and
+    /// signature) without writing anything: what a caller must pass before anything is
+    /// charged to the identity it names (SPEC §12, "a refusal costs the refused"). The
+    /// outer error is infrastructure (503); the inner one the refusal to report.
     #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
-    pub async fn hello(
+    pub async fn prove<'h>(
         &self,
-        h: &Hello,
+        h: &'h Hello,
         now: DateTime<Utc>,
-    ) -> Result<Result<(Identity, Granted), HelloError>, RegistryError> {
+    ) -> Result<Result<Proven<'h>, HelloError>, RegistryError> {
         if let Err(e) = check_hello(h) {
             return Ok(Err(HelloError::Invalid(e)));
         }
@@ -460,6 +463,14 @@ impl RunRegistry {
         if let Err(refused) = check_proof(h, identity.spec.key_generation, &identity.spec.public_key, now.timestamp()) {
             return Ok(Err(HelloError::Refused(refused)));
         }
+        Ok(Ok(Proven { hello: h, address, identity, now }))
+    }
+
+    /// Opens (or rotates) the session of a proven hello: the durable replay guard, then
+    /// the lease. The outer error is infrastructure (503); the inner one the refusal.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
+    pub async fn open(&self, proven: Proven<'_>) -> Result<Result<(Identity, Granted), HelloError>, RegistryError> {
+        let Proven { hello: h, address, identity, now } = proven;
         // The durable replay guard, and the last word on the generation: a key rotated
         // since the identity was read refuses the hello here, in one statement.
         let epoch = match self.identities.mark_hello(identity.spec.id, h.key_generation, h.timestamp, &h.nonce).await? {
@@ -660,12 +671,14 @@ impl RunRegistry {
         session: &Session,
         id: Uuid,
         step: &Step,
+        attempt: Option<i32>,
         body: Option<&Value>,
     ) -> Result<Result<Job, StepError>, RegistryError> {
         let Some(namespace) = self.acting_namespace(address, session).await? else {
             return Ok(Err(StepError::Session(SessionRefused::Superseded)));
         };
-        Ok(self.jobs.step(&namespace, address, id, step, body).await?.map_err(StepError::Job))
+        let attempt = attempt.map_or(Attempt::OfSession(session.session_id), Attempt::Named);
+        Ok(self.jobs.step(&namespace, address, id, step, attempt, body).await?.map_err(StepError::Job))
     }
 }
 
@@ -701,6 +714,22 @@ pub enum StepError {
 pub enum HelloError {
     Invalid(Invalid),
     Refused(ProofRefused),
+}
+
+/// A hello whose proof checked out (`RunRegistry::prove`): its identity is proven, so
+/// what it costs may be charged to that identity before `open` writes anything.
+pub struct Proven<'h> {
+    hello: &'h Hello,
+    address: RunAddress,
+    identity: Identity,
+    now: DateTime<Utc>,
+}
+
+impl Proven<'_> {
+    /// The proven identity's address.
+    pub fn address(&self) -> &RunAddress {
+        &self.address
+    }
 }
 
 /// The registry of Runs as the reconcilers drive it (prism-core's store trait).

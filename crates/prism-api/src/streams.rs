@@ -1,0 +1,354 @@
+//! Held requests — SSE watches, MCP GET streams and `subscriptions/listen`, long-poll
+//! claims — are bounded like everything else a caller can make grow (SPEC §12, "Streams
+//! are bounded too"):
+//!
+//! * at most `per_caller` held at once per Kubernetes identity and per Run session
+//!   (429 `too_many_streams` beyond), counted on this replica;
+//! * each lives at most `lifetime`, then ends cleanly (its client resumes);
+//! * a reader that does not keep up is never buffered for: one event may wait for it,
+//!   and past that the stream ends with a `reset` event (the client resumes from a
+//!   fresh snapshot). `Outbox` is that one-event buffer; a writer with a second event
+//!   gives the reader `READER_GRACE` to take the first (events made together, such as a
+//!   table and a nudge, do not reset a reader that keeps up).
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::body::Bytes;
+use axum::response::sse::Event;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio::sync::Notify;
+
+use super::ApiError;
+
+/// Whose held requests a stream counts against.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub enum Holder {
+    /// A Kubernetes identity (its username: every token of it counts together).
+    Identity(String),
+    /// A Run's session.
+    RunSession(uuid::Uuid),
+}
+
+/// The held streams of this replica, by holder.
+pub struct Streams {
+    per_caller: usize,
+    lifetime: Duration,
+    held: Mutex<HashMap<Holder, usize>>,
+}
+
+impl Streams {
+    pub fn new(per_caller: usize, lifetime: Duration) -> Arc<Self> {
+        Arc::new(Streams { per_caller: per_caller.max(1), lifetime, held: Mutex::new(HashMap::new()) })
+    }
+
+    /// How long one stream may live (`PRISM_MAX_STREAM_SECONDS`).
+    pub fn lifetime(&self) -> Duration {
+        self.lifetime
+    }
+
+    /// One more held request of `holder`, or 429 `too_many_streams` when it holds its
+    /// share already. The permit gives the place back when dropped.
+    pub fn hold(self: &Arc<Self>, holder: Holder) -> Result<Permit, ApiError> {
+        let mut held = self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let n = held.entry(holder.clone()).or_insert(0);
+        if *n >= self.per_caller {
+            let refused = ApiError::new(
+                axum::http::StatusCode::TOO_MANY_REQUESTS,
+                "too_many_streams",
+                format!(
+                    "this caller holds {} streams (watches, MCP streams and listens, long-poll claims) already \
+                     (PRISM_MAX_STREAMS_PER_IDENTITY); end one first",
+                    self.per_caller
+                ),
+            );
+            return Err(ApiError { retry_after: Some(Duration::from_secs(1)), ..refused });
+        }
+        *n += 1;
+        Ok(Permit { streams: self.clone(), holder })
+    }
+
+    /// Streams held by `holder` now.
+    pub fn held_by(&self, holder: &Holder) -> usize {
+        self.held.lock().map(|h| h.get(holder).copied().unwrap_or(0)).unwrap_or(0)
+    }
+
+    /// Holders with a stream now (the map never keeps one that holds none).
+    pub fn holders(&self) -> usize {
+        self.held.lock().map(|h| h.len()).unwrap_or(0)
+    }
+}
+
+/// A held request's place; given back when dropped.
+pub struct Permit {
+    streams: Arc<Streams>,
+    holder: Holder,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut held = self.streams.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(n) = held.get_mut(&self.holder) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.holder);
+            }
+        }
+    }
+}
+
+/// A streamed response body that holds its permit while it lives and ends, cleanly, once
+/// its lifetime is over: the client sees the stream close after a whole event and resumes.
+pub fn bounded(body: Body, permit: Permit, lifetime: Duration) -> Body {
+    Body::new(Bounded { inner: body, _permit: permit, deadline: Box::pin(tokio::time::sleep(lifetime)) })
+}
+
+struct Bounded {
+    inner: Body,
+    _permit: Permit,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl HttpBody for Bounded {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(None);
+        }
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// How long a writer with an event waits for the reader to take the one before it.
+pub const READER_GRACE: Duration = Duration::from_secs(2);
+
+/// What one stream has for its reader: at most one event waiting, then the end.
+#[derive(Default)]
+struct Slot {
+    waiting: Option<Event>,
+    /// The last event, sent after the waiting one (a `reset` or an `error`).
+    last: Option<Event>,
+    /// Nothing comes after `last` (or after `waiting`, without one).
+    ended: bool,
+    /// The reader went away.
+    dropped: bool,
+}
+
+/// The writing side of a stream with a one-event buffer (see the module's doc).
+#[derive(Clone)]
+pub struct Outbox {
+    slot: Arc<Mutex<Slot>>,
+    /// The reader may have something to take.
+    ready: Arc<Notify>,
+    /// The reader took the waiting event.
+    taken: Arc<Notify>,
+    gone: Arc<Notify>,
+}
+
+/// Why `Outbox::offer` took no event.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The reader went away.
+    Gone,
+    /// The reader was an event behind already: the stream ends with a `reset`.
+    Behind,
+}
+
+impl Outbox {
+    /// An outbox and the stream of events its reader gets.
+    pub fn new() -> (Outbox, impl futures::Stream<Item = Result<Event, std::convert::Infallible>>) {
+        let outbox = Outbox {
+            slot: Default::default(),
+            ready: Arc::new(Notify::new()),
+            taken: Arc::new(Notify::new()),
+            gone: Arc::new(Notify::new()),
+        };
+        let reader = Reader(outbox.clone());
+        let events = futures::stream::unfold(reader, |reader| async move {
+            let event = reader.next().await?;
+            Some((Ok(event), reader))
+        });
+        (outbox, events)
+    }
+
+    /// Puts `event` out for the reader. A reader that has not taken the event before it
+    /// within `READER_GRACE` gets a `reset` event after that one, and the stream ends: it
+    /// is never buffered for.
+    pub async fn offer(&self, event: Event) -> Result<(), Refused> {
+        self.offer_within(event, READER_GRACE).await
+    }
+
+    async fn offer_within(&self, event: Event, grace: Duration) -> Result<(), Refused> {
+        let until = tokio::time::Instant::now() + grace;
+        loop {
+            let taken = self.taken.notified();
+            {
+                let mut slot = self.slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                if slot.dropped || slot.ended {
+                    return Err(Refused::Gone);
+                }
+                if slot.waiting.is_none() {
+                    slot.waiting = Some(event);
+                    drop(slot);
+                    self.ready.notify_one();
+                    return Ok(());
+                }
+                if tokio::time::Instant::now() >= until {
+                    slot.last = Some(reset_event());
+                    slot.ended = true;
+                    drop(slot);
+                    self.ready.notify_one();
+                    return Err(Refused::Behind);
+                }
+            }
+            let _ = tokio::time::timeout_at(until, taken).await;
+        }
+    }
+
+    /// Ends the stream after what is waiting, with `last` (an `error` event) if given.
+    pub fn end(&self, last: Option<Event>) {
+        let mut slot = self.slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !slot.ended {
+            slot.last = last;
+            slot.ended = true;
+        }
+        drop(slot);
+        self.ready.notify_one();
+    }
+
+    /// Resolves when the reader has gone away (its response body was dropped).
+    pub async fn closed(&self) {
+        loop {
+            let notified = self.gone.notified();
+            if self.slot.lock().map(|s| s.dropped).unwrap_or(true) {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// The `reset` event of a stream whose reader fell behind.
+fn reset_event() -> Event {
+    Event::default().event("reset").data(
+        serde_json::json!({"reason": "slow_reader", "message": "the stream's reader fell behind; resume from a fresh snapshot"})
+            .to_string(),
+    )
+}
+
+struct Reader(Outbox);
+
+impl Reader {
+    async fn next(&self) -> Option<Event> {
+        loop {
+            let notified = self.0.ready.notified();
+            {
+                let mut slot = self.0.slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                if let Some(event) = slot.waiting.take() {
+                    self.0.taken.notify_one();
+                    return Some(event);
+                }
+                if slot.ended {
+                    return slot.last.take();
+                }
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        if let Ok(mut slot) = self.0.slot.lock() {
+            slot.dropped = true;
+        }
+        self.0.gone.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    #[test]
+    fn a_holder_gets_its_share_and_the_place_comes_back() {
+        let streams = Streams::new(2, Duration::from_secs(60));
+        let alice = Holder::Identity("alice".into());
+        let a = streams.hold(alice.clone()).expect("first");
+        let _b = streams.hold(alice.clone()).expect("second");
+        let refused = streams.hold(alice.clone()).err().expect("third refused");
+        assert_eq!((refused.status.as_u16(), refused.code), (429, "too_many_streams"));
+        assert!(streams.hold(Holder::RunSession(uuid::Uuid::nil())).is_ok(), "another holder has its own share");
+        drop(a);
+        assert_eq!(streams.held_by(&alice), 1);
+        let _c = streams.hold(alice.clone()).expect("a place came back");
+        drop((_b, _c));
+        assert_eq!(streams.holders(), 0, "a holder with none held is forgotten");
+    }
+
+    #[tokio::test]
+    async fn a_reader_an_event_behind_gets_a_reset_and_the_end() {
+        let (outbox, events) = Outbox::new();
+        tokio::pin!(events);
+        outbox.offer(Event::default().data("1")).await.expect("one may wait");
+        let grace = Duration::from_millis(50);
+        assert_eq!(outbox.offer_within(Event::default().data("2"), grace).await, Err(Refused::Behind));
+        assert_eq!(outbox.offer(Event::default().data("3")).await, Err(Refused::Gone), "nothing after the end");
+        let got: Vec<String> = events.by_ref().map(|e| format!("{:?}", e.expect("event"))).collect().await;
+        assert_eq!(got.len(), 2, "the waiting event, then the reset: {got:?}");
+        assert!(got[0].contains("data: 1") && got[1].contains("reset"), "{got:?}");
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_keeps_up_gets_every_event_and_a_dropped_one_is_seen() {
+        let (outbox, events) = Outbox::new();
+        let mut events = Box::pin(events);
+        for n in 0..5 {
+            outbox.offer(Event::default().data(n.to_string())).await.expect("kept up");
+            assert!(format!("{:?}", events.next().await.expect("some").expect("ok")).contains(&format!("data: {n}")));
+        }
+        // Two events made together: the second waits for the reader to take the first.
+        let reading = tokio::spawn(async move {
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                got.push(format!("{:?}", events.next().await.expect("some").expect("ok")));
+            }
+            (got, events)
+        });
+        outbox.offer(Event::default().data("a")).await.expect("first");
+        outbox.offer(Event::default().data("b")).await.expect("second, once the first is taken");
+        let (got, mut events) = reading.await.expect("reader");
+        assert!(got[0].contains("data: a") && got[1].contains("data: b"), "{got:?}");
+        outbox.end(Some(Event::default().event("error").data("{}")));
+        assert!(format!("{:?}", events.next().await.expect("last").expect("ok")).contains("error"));
+        assert!(events.next().await.is_none());
+        let (outbox, events) = Outbox::new();
+        drop(events);
+        tokio::time::timeout(Duration::from_secs(1), outbox.closed()).await.expect("the reader's going is seen");
+        assert_eq!(outbox.offer(Event::default().data("x")).await, Err(Refused::Gone));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bounded_body_ends_at_its_lifetime_and_gives_its_place_back() {
+        let streams = Streams::new(1, Duration::from_secs(60));
+        let holder = Holder::Identity("bob".into());
+        let permit = streams.hold(holder.clone()).expect("hold");
+        let endless = Body::from_stream(futures::stream::pending::<Result<Bytes, std::convert::Infallible>>());
+        let body = bounded(endless, permit, Duration::from_secs(60));
+        let collected = tokio::time::timeout(Duration::from_secs(61), axum::body::to_bytes(body, 1024)).await;
+        assert!(collected.expect("ended by its lifetime").expect("bytes").is_empty());
+        assert_eq!(streams.held_by(&holder), 0, "the place is back once the body is gone");
+    }
+}
