@@ -140,7 +140,13 @@ async fn main() {
     let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "benchlimits").await;
-    let op = support::Operator::start(cp, &db.url, &ns, &[("RUST_LOG", "warn")]).await;
+    let op = support::Operator::start(
+        cp,
+        &db.url,
+        &ns,
+        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST],
+    )
+    .await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "list"]).await;
     for i in 0..AGENTS {
         support::register(&op, &token, &ns, "HB", &format!("hb-{i}"), "claude_code").await;

@@ -43,7 +43,13 @@ async fn main() {
     let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "benchmcp").await;
-    let op = support::Operator::start(cp, &db.url, &ns, &[("RUST_LOG", "warn")]).await;
+    let op = support::Operator::start(
+        cp,
+        &db.url,
+        &ns,
+        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST],
+    )
+    .await;
     let token = support::agent_token(cp, &ns, "bench", &["create"]).await;
     let http = support::http();
     println!(

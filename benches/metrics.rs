@@ -140,7 +140,13 @@ async fn main() {
         cp,
         &db.url,
         &ns,
-        &[("REDIS_URL", &redis.url), ("PRISM_REDIS_PREFIX", &prefix), ("RUST_LOG", "warn")],
+        &[
+            ("REDIS_URL", &redis.url),
+            ("PRISM_REDIS_PREFIX", &prefix),
+            ("RUST_LOG", "warn"),
+            common::UNTHROTTLED_RATE,
+            common::UNTHROTTLED_BURST,
+        ],
     )
     .await;
     let nodes: Vec<String> = redis.url.split(',').map(str::to_string).collect();

@@ -172,6 +172,8 @@ async fn main() {
             ("REDIS_URL", &redis.url),
             ("PRISM_REDIS_PREFIX", &prefix),
             ("RUST_LOG", "warn"),
+            common::UNTHROTTLED_RATE,
+            common::UNTHROTTLED_BURST,
             ("PRISM_MAX_CONNECTIONS", "20000"),
             ("PRISM_API_DB_CONNECTIONS", "20"),
         ],

@@ -120,7 +120,13 @@ async fn main() {
         cp,
         &db.url,
         &ns,
-        &[("REDIS_URL", &redis.url), ("PRISM_REDIS_PREFIX", &prefix), ("RUST_LOG", "warn")],
+        &[
+            ("REDIS_URL", &redis.url),
+            ("PRISM_REDIS_PREFIX", &prefix),
+            ("RUST_LOG", "warn"),
+            common::UNTHROTTLED_RATE,
+            common::UNTHROTTLED_BURST,
+        ],
     )
     .await;
     let counters = RedisCounters::connect(std::slice::from_ref(&redis.url)).await.expect("connect to Redis");

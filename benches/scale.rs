@@ -180,6 +180,8 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
         ("PRISM_REDIS_PREFIX", prefix.as_str()),
         ("RUST_LOG", log.as_str()),
         ("PRISM_MAX_SESSIONS_PER_NAMESPACE", quota.as_str()),
+        common::UNTHROTTLED_RATE,
+        common::UNTHROTTLED_BURST,
     ];
     let line = |figure: &str, values: &[f64]| println!("{}", scale_line(n, figure, values));
     println!("== N = {n}: {n} registrations over {projects} projects, {n} RunSessions and Runs; {r} rounds");

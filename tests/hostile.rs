@@ -1103,3 +1103,41 @@ async fn only_the_owner_or_the_override_deletes_an_owned_registration() {
         .await;
     }
 }
+
+/// #43.4: authenticated calls have a per-identity budget. An identity flooding the API is
+/// refused with 429 `rate_limited` and `Retry-After` once its budget is spent, while
+/// another identity's calls are served throughout.
+#[tokio::test]
+async fn a_flooding_identity_is_throttled_and_its_neighbour_is_not() {
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "h-identity-rate").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[("PRISM_RATE_PER_IDENTITY", "5"), ("PRISM_BURST_PER_IDENTITY", "20")])
+        .await;
+    let flooder = support::agent_token(cp, &ns, "flooder", &ALL).await;
+    let neighbour = support::agent_token(cp, &ns, "neighbour", &ALL).await;
+    let path = format!("/api/v1/controller/P/status?namespace={ns}");
+    let started = std::time::Instant::now();
+    let mut limited = 0;
+    for _ in 0..60 {
+        let r = http().get(op.url(&path)).bearer_auth(&flooder).send().await.expect("GET");
+        match r.status().as_u16() {
+            200 => {}
+            429 => {
+                limited += 1;
+                assert!(r.headers().get("retry-after").is_some(), "429 with Retry-After");
+                let body: Value = r.json().await.expect("json");
+                assert_eq!(code(&body), "rate_limited");
+            }
+            other => panic!("the flooder got {other}"),
+        }
+    }
+    let served = 60 - limited;
+    let refilled = (5.0 * started.elapsed().as_secs_f64()).ceil() as usize;
+    assert!(limited > 0, "60 calls at once spend a burst of 20");
+    assert!(served <= 20 + refilled + 1, "{served} of 60 served (burst 20, 5/s, {refilled} refilled)");
+    for _ in 0..10 {
+        assert_eq!(get(&op, &neighbour, &path).await.0, 200, "the neighbour is served during the flood");
+    }
+}

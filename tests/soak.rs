@@ -673,6 +673,10 @@ async fn the_fault_harness() {
         // than the default quota of live sessions per identity (tests/hostile.rs proves
         // the quota).
         ("PRISM_MAX_SESSIONS_PER_IDENTITY", "1000000".to_string()),
+        // Their 150 agents' calls are one identity's too: its per-identity rate is opened
+        // as wide (tests/hostile.rs proves the rate limit).
+        ("PRISM_RATE_PER_IDENTITY", "1000000".to_string()),
+        ("PRISM_BURST_PER_IDENTITY", "10000000".to_string()),
         ("PRISM_MCP_SESSION_KEY", mcp_key),
         ("RUST_LOG", "info".to_string()),
     ];

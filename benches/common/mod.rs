@@ -10,3 +10,9 @@ pub mod measure;
 pub mod raw;
 pub mod runs;
 pub mod scrape;
+
+/// The per-identity rate limit (SPEC §12, PRISM_RATE_PER_IDENTITY) opened wide: a bench's
+/// thousands of simulated agents share one ServiceAccount, where real agents each have
+/// their own identity and budget.
+pub const UNTHROTTLED_RATE: (&str, &str) = ("PRISM_RATE_PER_IDENTITY", "1000000");
+pub const UNTHROTTLED_BURST: (&str, &str) = ("PRISM_BURST_PER_IDENTITY", "10000000");

@@ -37,9 +37,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // fail because the API pool is busy).
     let (api_pool, controller_pool) = open_database(&args).await?;
     let sessions = open_session_store(&args).await?;
-    let kube = kube::Client::try_default()
-        .await
-        .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")?;
+    // Three clients, each with its own connections and request queue (SPEC §12): the
+    // callers' TokenReviews, access reviews and creates (`api_kube`) never delay the
+    // controllers' calls (`kube`), and neither delays a renewal of the leader Lease
+    // (`lease_kube`): a flood of callers cannot cost the operator its leadership.
+    let kube = kube_client().await?;
+    let api_kube = kube_client().await?;
+    let lease_kube = kube_client().await?;
     let metrics = Arc::new(Metrics::default());
     let quotas = crate::election::Quotas {
         per_owner: settings.max_sessions_per_identity,
@@ -79,6 +83,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // clients it sends elsewhere find a replica that is not stopping.
     let (lease_stop_tx, lease_stop_rx) = tokio::sync::watch::channel(false);
     let leading = start_leader_work(
+        &lease_kube,
         &args,
         &kube,
         &controller_pool,
@@ -107,10 +112,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     api::health::spawn(health.clone(), probes);
     let state = Arc::new(AppState {
         health,
-        auth: api::auth::Authorizer::new(kube.clone(), audiences, limits.clone()),
+        auth: api::auth::Authorizer::new(api_kube.clone(), audiences, limits.clone()),
         limits,
-        agents: AgentService::new(kube.clone(), election, heartbeats, signals.clone()),
-        kube,
+        agents: AgentService::new(api_kube.clone(), election, heartbeats, signals.clone()),
+        kube: api_kube,
         registry: api_registry,
         metrics,
         mcp,
@@ -176,9 +181,16 @@ async fn open_session_store(args: &RunArgs) -> anyhow::Result<SessionStore> {
     Ok(sessions)
 }
 
+async fn kube_client() -> anyhow::Result<kube::Client> {
+    kube::Client::try_default()
+        .await
+        .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")
+}
+
 /// Controllers, the stale sweep, the job reaper and the registry watch: on the Lease
 /// holder only when leader election is on (every replica serves the HTTP API).
 fn start_leader_work(
+    lease_kube: &kube::Client,
     args: &RunArgs,
     kube: &kube::Client,
     pool: &sqlx::PgPool,
@@ -219,7 +231,7 @@ fn start_leader_work(
         move || reconcilers::lead(ctx.clone(), refresh::listen(pool.clone()), namespace.clone(), stale, sweep_every);
     if args.leader_election {
         let cfg = crate::leader::LeaseConfig::from_env("prism-operator-leader");
-        Some(tokio::spawn(crate::leader::run(kube.clone(), cfg, leader_work, async move {
+        Some(tokio::spawn(crate::leader::run(lease_kube.clone(), cfg, leader_work, async move {
             // A closed channel means the process is stopping: stop leading as well.
             let _ = stop.wait_for(|stop| *stop).await;
         })))

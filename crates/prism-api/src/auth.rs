@@ -209,6 +209,9 @@ impl Authorizer {
         };
         if let Some(c) = &caller {
             super::record_caller(&c.username);
+            // Charged once the API server has vouched for the identity: nobody spends
+            // another identity's budget (SPEC §12).
+            self.limits.identity(&c.username)?;
         }
         caller.ok_or_else(|| {
             ApiError::unauthenticated(

@@ -1,7 +1,8 @@
-//! Rate limits on what a caller can make the operator do before it knows who the caller
-//! is (SPEC §12 "Bounded"): a TokenReview for a token not seen lately, and a hello. Both
-//! are keyed token buckets (governor); a spent bucket is 429 `rate_limited` with
-//! `Retry-After`. Buckets are this replica's: behind a Service of N replicas a caller
+//! Rate limits (SPEC §12 "Bounded"): on what a caller can make the operator do before it
+//! knows who the caller is — a TokenReview for a token not seen lately, a hello — charged
+//! to the source address; on proven hellos, charged to the Run identity; and on the calls
+//! of a proven Kubernetes identity, charged to it. All are keyed token buckets (governor);
+//! a spent bucket is 429 `rate_limited` with `Retry-After`. Buckets are this replica's: behind a Service of N replicas a caller
 //! gets up to N times the rate, which still bounds it.
 
 use std::net::IpAddr;
@@ -32,11 +33,24 @@ pub struct Limits {
     per_address: DefaultKeyedRateLimiter<IpAddr>,
     /// Hellos per Run identity (`server/component`).
     hellos: DefaultKeyedRateLimiter<String>,
+    /// Authenticated calls per Kubernetes identity (its username).
+    per_identity: DefaultKeyedRateLimiter<String>,
 }
 
 impl Limits {
-    pub fn new(unauthenticated: Rate, hellos: Rate) -> Self {
-        Self { per_address: RateLimiter::keyed(unauthenticated.quota()), hellos: RateLimiter::keyed(hellos.quota()) }
+    pub fn new(unauthenticated: Rate, hellos: Rate, per_identity: Rate) -> Self {
+        Self {
+            per_address: RateLimiter::keyed(unauthenticated.quota()),
+            hellos: RateLimiter::keyed(hellos.quota()),
+            per_identity: RateLimiter::keyed(per_identity.quota()),
+        }
+    }
+
+    /// Counts one call of a Kubernetes identity the API server has vouched for
+    /// (`PRISM_RATE_PER_IDENTITY`): a flood of one identity's calls is refused before it
+    /// costs access reviews and database work that other tenants wait behind.
+    pub fn identity(&self, username: &str) -> Result<(), ApiError> {
+        spend(&self.per_identity, &username.to_string(), "too many calls of this identity")
     }
 
     /// Counts one unauthenticated request of `peer` (none known: not limited; every
@@ -63,11 +77,13 @@ impl Limits {
         self.per_address.shrink_to_fit();
         self.hellos.retain_recent();
         self.hellos.shrink_to_fit();
+        self.per_identity.retain_recent();
+        self.per_identity.shrink_to_fit();
     }
 
     /// Keys held (for tests).
     pub fn tracked(&self) -> usize {
-        self.per_address.len() + self.hellos.len()
+        self.per_address.len() + self.hellos.len() + self.per_identity.len()
     }
 }
 
@@ -95,7 +111,7 @@ mod tests {
 
     #[test]
     fn a_spent_bucket_is_429_with_retry_after_and_other_keys_are_unaffected() {
-        let limits = Limits::new(rate(1, 3), rate(1, 2));
+        let limits = Limits::new(rate(1, 3), rate(1, 2), rate(1, 2));
         let a: IpAddr = "10.0.0.1".parse().expect("ip");
         let b: IpAddr = "10.0.0.2".parse().expect("ip");
         for _ in 0..3 {
@@ -114,5 +130,11 @@ mod tests {
         assert!(limits.proven_hello("srv/other").is_ok(), "another identity has its own bucket");
         let c: IpAddr = "10.0.0.3".parse().expect("ip");
         assert!(limits.unauthenticated(Some(c)).is_ok(), "the address's bucket is its own");
+
+        // A proven identity's calls spend its own bucket.
+        assert!(limits.identity("system:serviceaccount:a:agent").is_ok());
+        assert!(limits.identity("system:serviceaccount:a:agent").is_ok());
+        assert_eq!(limits.identity("system:serviceaccount:a:agent").expect_err("spent").code, "rate_limited");
+        assert!(limits.identity("system:serviceaccount:b:agent").is_ok(), "another identity has its own bucket");
     }
 }

@@ -49,6 +49,14 @@ pub struct ApiArgs {
     #[arg(long, env = "PRISM_HELLO_BURST", default_value_t = 10,
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub hello_burst: u32,
+    /// Calls per second one Kubernetes identity may make once authenticated (SPEC §12),
+    /// and the burst; 429 `rate_limited` beyond. Every session an identity runs shares it.
+    #[arg(long, env = "PRISM_RATE_PER_IDENTITY", default_value_t = 500,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub rate_per_identity: u32,
+    #[arg(long, env = "PRISM_BURST_PER_IDENTITY", default_value_t = 5000,
+          value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub burst_per_identity: u32,
     /// Live registrations one Kubernetes identity may own (SPEC §12); 429 `quota_exceeded`.
     #[arg(long, env = "PRISM_MAX_SESSIONS_PER_IDENTITY", default_value_t = 100,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -169,6 +177,7 @@ impl ApiArgs {
         Limits::new(
             rate(self.unauthenticated_rate, self.unauthenticated_burst),
             rate(self.hello_rate, self.hello_burst),
+            rate(self.rate_per_identity, self.burst_per_identity),
         )
     }
 
@@ -220,6 +229,7 @@ mod tests {
         assert_eq!(a.mcp_allowed_hosts, ["localhost", "127.0.0.1", "::1"]);
         assert!(a.mcp_session_key.is_none());
         assert_eq!((a.hello_rate, a.hello_burst), (1, 10));
+        assert_eq!((a.rate_per_identity, a.burst_per_identity), (500, 5000));
         assert_eq!((a.unauthenticated_rate, a.unauthenticated_burst), (20, 100));
         assert_eq!((a.max_sessions_per_identity, a.max_sessions_per_namespace), (100, 10_000));
         let settings = a.read().unwrap();

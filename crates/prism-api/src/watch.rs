@@ -177,8 +177,13 @@ impl Watch {
                 Err(error) => {
                     warn!(namespace = %self.project.namespace, project_id = %self.project.project_id, %error,
                           "watch: the routing table could not be read; trying again");
-                    tokio::time::sleep(RETRY).await;
-                    continue;
+                    // A client that leaves (or a replica that stops) while Postgres is
+                    // down ends the stream now, not once Postgres is back.
+                    tokio::select! {
+                        _ = tokio::time::sleep(RETRY) => continue,
+                        _ = self.outbox.closed() => break End::Quietly,
+                        _ = stopped(&mut stopping) => break End::Quietly,
+                    }
                 }
             }
             if let Err(end) = self.deliver_nudges().await {

@@ -134,8 +134,12 @@ impl SessionStream {
                     Ok(followed) => followed,
                     Err(error) => {
                         warn!(%error, "mcp: a session's subscriptions could not be read; trying again");
-                        tokio::time::sleep(Duration::from_secs(2)).await;
-                        continue;
+                        // A client that leaves while Postgres is down ends the stream now.
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_secs(2)) => continue,
+                            _ = self.outbox.closed() => return,
+                            _ = stopped(&mut stopping) => return,
+                        }
                     }
                 };
             let mut uris: HashMap<ProjectKey, Vec<String>> = HashMap::new();
