@@ -6,8 +6,11 @@
 For each protocol generation (the initialize handshake, and the stateless 2026-07-28
 revision) the official SDK joins a project as Claude Code (master), as Codex (peer), as
 Claude Desktop (preempts), calls again as Claude Code (told it was preempted), reads the
-status, wraps the desktop (the best peer is master at once) and wraps the rest. One line
-per step; exit 1 at the first step that is not what the user was promised.
+status, meets the tool errors a user meets (each a result with isError, no
+structuredContent, and the text {"error": {"code", "message"}}, SPEC §9), wraps the
+desktop (the best peer is master at once) and wraps the rest. One line per step; exit 1
+at the first step that is not what the user was promised. tests/mcp/journey.mjs is the
+same journey with the official TypeScript SDK.
 scripts/mcp-journey sets up the token the way the MCP guide (docs/src/guides/mcp.md) tells a user to. An https URL is
 checked against --ca-cert (default $PRISM_CA_CERT), as a user's client would.
 """
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
+import uuid
 from typing import Any
 
 from scenarios import call, connect
@@ -37,6 +42,22 @@ def structured(answer: dict[str, Any]) -> dict[str, Any]:
     if answer.get("is_error") is not False:
         raise Failed(f"a tool error or a JSON-RPC error where a result was due: {answer}")
     return answer["structured"]
+
+
+def expect_tool_error(what: str, answer: dict[str, Any], code: str) -> None:
+    """A refused call or bad argument, as SPEC §9 promises it: a tool result (no JSON-RPC
+    error) with is_error, no structured content, and the text {"error": {"code", "message"}}."""
+    if "rpc_error" in answer:
+        raise Failed(f"{what}: a JSON-RPC error where a tool error was due: {answer}")
+    if answer["is_error"] is not True:
+        raise Failed(f"{what}: is_error is not true: {answer}")
+    if answer["structured"] is not None:
+        raise Failed(f"{what}: structured content on a tool error: {answer}")
+    try:
+        error = json.loads(answer["text"])["error"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise Failed(f"{what}: the text is not {{\"error\": ...}} JSON ({e!r}): {answer}") from e
+    expect(what, isinstance(error, dict) and error.get("code") == code and bool(error.get("message")), answer)
 
 
 async def journey(args: argparse.Namespace, mode: str) -> None:
@@ -78,6 +99,24 @@ async def journey(args: argparse.Namespace, mode: str) -> None:
             s["master"]["session_id"] == s_desk and len(s["peers"]) == 2 and s["caller"]["session_id"] == s_codex,
             s,
         )
+
+        # Tool errors as a user meets them (SPEC §9): results, not exceptions.
+        expect_tool_error(
+            "a fence with the past term 1: tool error stale_term, no structured content",
+            await call(code, "prism_fence", {"project_id": project, "term": 1, **ns}),
+            "stale_term",
+        )
+        expect_tool_error(
+            "prism_start with a number for project_id: tool error invalid_request, no structured content",
+            await call(codex, "prism_start", {"project_id": 42, **ns}),
+            "invalid_request",
+        )
+        expect_tool_error(
+            "prism_wrap of a session never registered: tool error not_registered, no structured content",
+            await call(desk, "prism_wrap", {"session_id": f"never-registered-{uuid.uuid4()}", **ns}),
+            "not_registered",
+        )
+
         s = structured(await call(desk, "prism_wrap", {"session_id": s_desk, **ns}))
         expect(
             "the desktop wraps: the best peer (Claude Code) is master at once",
@@ -107,9 +146,24 @@ def main() -> None:
     try:
         for mode in args.modes.split(","):
             asyncio.run(journey(args, mode))
-    except Failed as e:
-        print(f"FAIL {e}", file=sys.stderr)
+    except BaseException as e:
+        # A step that fails inside the clients' `async with` reaches here wrapped in the
+        # SDK's (anyio's) exception groups.
+        failed = first_failed(e)
+        if failed is None:
+            raise
+        print(f"FAIL {failed}", file=sys.stderr)
         sys.exit(1)
+
+
+def first_failed(e: BaseException) -> Failed | None:
+    if isinstance(e, Failed):
+        return e
+    for inner in getattr(e, "exceptions", ()):
+        found = first_failed(inner)
+        if found is not None:
+            return found
+    return None
 
 
 if __name__ == "__main__":
