@@ -159,6 +159,9 @@ async fn readyz_reports_an_unreachable_redis() {
     assert_eq!(r.status(), 200);
     let body: serde_json::Value = r.json().await.expect("json");
     assert_eq!(body["checks"]["runtime_registry"]["status"], "unavailable", "{body}");
+    // A fixed sentence: no driver error, address or port of the backend (#43.9).
+    assert_eq!(body["checks"]["runtime_registry"]["message"], "redis did not answer the probe", "{body}");
+    assert!(!body.to_string().contains(&dead_redis[8..]), "the backend's address in /readyz: {body}");
     assert_eq!(body["checks"]["postgres"]["status"], "ok", "{body}");
     assert_eq!(body["status"], "degraded", "{body}");
 }

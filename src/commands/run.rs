@@ -83,9 +83,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // clients it sends elsewhere find a replica that is not stopping.
     let (lease_stop_tx, lease_stop_rx) = tokio::sync::watch::channel(false);
     let leading = start_leader_work(
-        &lease_kube,
         &args,
-        &kube,
+        LeaderClients { controllers: &kube, lease: &lease_kube },
         &controller_pool,
         &controller_election,
         &controller_registry,
@@ -189,10 +188,15 @@ async fn kube_client() -> anyhow::Result<kube::Client> {
 
 /// Controllers, the stale sweep, the job reaper and the registry watch: on the Lease
 /// holder only when leader election is on (every replica serves the HTTP API).
+/// The leader's Kubernetes clients: the controllers', and the Lease's own.
+struct LeaderClients<'a> {
+    controllers: &'a kube::Client,
+    lease: &'a kube::Client,
+}
+
 fn start_leader_work(
-    lease_kube: &kube::Client,
     args: &RunArgs,
-    kube: &kube::Client,
+    clients: LeaderClients<'_>,
     pool: &sqlx::PgPool,
     election: &ElectionStore,
     registry: &RunRegistry,
@@ -200,6 +204,7 @@ fn start_leader_work(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let status_heartbeat = Duration::from_secs(u64::from(args.status_heartbeat_seconds));
+    let kube = clients.controllers;
     let ctx = Arc::new(reconcilers::Context {
         client: kube.clone(),
         election: election.clone(),
@@ -231,7 +236,7 @@ fn start_leader_work(
         move || reconcilers::lead(ctx.clone(), refresh::listen(pool.clone()), namespace.clone(), stale, sweep_every);
     if args.leader_election {
         let cfg = crate::leader::LeaseConfig::from_env("prism-operator-leader");
-        Some(tokio::spawn(crate::leader::run(lease_kube.clone(), cfg, leader_work, async move {
+        Some(tokio::spawn(crate::leader::run(clients.lease.clone(), cfg, leader_work, async move {
             // A closed channel means the process is stopping: stop leading as well.
             let _ = stop.wait_for(|stop| *stop).await;
         })))
@@ -278,7 +283,8 @@ async fn serve_api(
     state: Arc<AppState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let limits = transport::Limits::spec(max_connections);
+    let mut limits = transport::Limits::spec(max_connections);
+    limits.tls_refusals = state.metrics.tls_reloads_refused.clone();
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen} (PRISM_LISTEN)"))?;

@@ -138,10 +138,14 @@ where
         + serde::Serialize
         + serde::de::DeserializeOwned,
 {
-    Api::<K>::all(client.clone())
-        .create(&PostParams::default(), review)
-        .await
-        .map_err(|e| ApiError::unavailable("kubernetes_unavailable", format!("{what} failed: {e}")))
+    Api::<K>::all(client.clone()).create(&PostParams::default(), review).await.map_err(|e| {
+        // The cause to the log only (see error.rs: the cluster's insides stay inside).
+        tracing::warn!(error = %e, "{what} failed");
+        ApiError::unavailable(
+            "kubernetes_unavailable",
+            format!("{what} failed: the Kubernetes API did not answer; retry"),
+        )
+    })
 }
 
 /// The bearer token of a request, if it has one.

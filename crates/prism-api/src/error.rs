@@ -129,8 +129,13 @@ impl From<AgentError> for ApiError {
                 kube::Error::Api(s) if s.code == 403 => ApiError::forbidden(s.message),
                 kube::Error::Api(s) if s.code == 422 || s.code == 400 => ApiError::invalid(s.message),
                 other => {
+                    // The cause to the log only: a caller learns nothing of the cluster's
+                    // insides (addresses, the operator's identity) from an answer.
                     warn!(step, error = %other, "Kubernetes API unavailable");
-                    ApiError::unavailable("kubernetes_unavailable", format!("{step}: {other}"))
+                    ApiError::unavailable(
+                        "kubernetes_unavailable",
+                        format!("{step}: the Kubernetes API did not answer; retry"),
+                    )
                 }
             },
             AgentError::NotRegistered(s) => {

@@ -91,13 +91,34 @@ async fn within<F: std::future::Future<Output = Check>>(probe: F) -> Check {
         .unwrap_or_else(|_| Err(format!("no answer within {} s", PROBE_BUDGET.as_secs())))
 }
 
-/// Probes every dependency at once and records the answer.
+/// What `/readyz` says of a dependency that failed its probe: a fixed sentence. The
+/// backend's own error (addresses, user names, driver internals) goes to the log only:
+/// `/readyz` needs no token (SPEC §12).
+fn unreachable<E: std::fmt::Display>(dependency: &'static str) -> impl FnOnce(E) -> String {
+    move |error| {
+        tracing::debug!(dependency, %error, "readiness probe failed");
+        format!("{dependency} did not answer the probe")
+    }
+}
+
+/// Probes every dependency at once and records the answer. A dependency that turns
+/// unavailable is logged once, with its error.
 pub async fn probe(health: &Health, p: &Probes) {
     let (postgres, redis, kubernetes) = tokio::join!(
-        within(async { p.election.ping().await.map_err(|e| e.to_string()) }),
-        within(async { p.registry.ping().await.map_err(|e| e.to_string()) }),
-        within(async { p.kube.apiserver_version().await.map(|_| ()).map_err(|e| e.to_string()) }),
+        within(async { p.election.ping().await.map_err(unreachable("postgres")) }),
+        within(async { p.registry.ping().await.map_err(unreachable("redis")) }),
+        within(async { p.kube.apiserver_version().await.map(|_| ()).map_err(unreachable("kubernetes")) }),
     );
+    let before = health.last.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    for (name, now, was) in [
+        ("postgres", &postgres, before.as_ref().map(|b| b.postgres.is_ok())),
+        ("redis", &redis, before.as_ref().map(|b| b.redis.is_ok())),
+        ("kubernetes", &kubernetes, before.as_ref().map(|b| b.kubernetes.is_ok())),
+    ] {
+        if now.is_err() && was != Some(false) {
+            tracing::warn!(dependency = name, "readiness: unavailable (the probe's error is logged at debug)");
+        }
+    }
     p.metrics.set_up("postgres", postgres.is_ok());
     p.metrics.set_up("redis", redis.is_ok());
     health.record(Readiness { postgres, redis, kubernetes, at: Instant::now() });

@@ -58,6 +58,8 @@ pub struct Metrics {
     job_attempts: Family<OutcomeLabels, Counter>,
     mcp_tool_calls: Family<ToolCallLabels, Counter>,
     up: Family<DependencyLabels, Gauge>,
+    /// Certificates the TLS reload refused (expired, for other names, unusable).
+    pub tls_reloads_refused: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -107,6 +109,12 @@ impl Default for Metrics {
         let job_attempts = Family::<OutcomeLabels, Counter>::default();
         let mcp_tool_calls = Family::<ToolCallLabels, Counter>::default();
         let up = Family::<DependencyLabels, Gauge>::default();
+        let tls_reloads_refused = Counter::default();
+        registry.register(
+            "tls_reloads_refused",
+            "TLS certificate files that changed but were not served (not valid now, not for the served names, unusable); the previous certificate is served",
+            tls_reloads_refused.clone(),
+        );
         registry.register(
             "runtime_claim_duration_seconds",
             "Job claim latency (token check + claim)",
@@ -191,6 +199,7 @@ impl Default for Metrics {
             job_attempts,
             mcp_tool_calls,
             up,
+            tls_reloads_refused,
         }
     }
 }

@@ -189,7 +189,11 @@ impl Endpoint {
         };
         let facts = value.to_str().ok().and_then(|id| self.state.mcp.session_key.verify(id));
         match facts {
-            Some(facts) if facts.belongs_to(&caller.username) => Ok(Some(facts)),
+            Some(facts)
+                if facts.belongs_to(&caller.username, caller.uid.as_deref(), chrono::Utc::now().timestamp()) =>
+            {
+                Ok(Some(facts))
+            }
             _ => Err(rpc_error(
                 StatusCode::NOT_FOUND,
                 None,
@@ -209,7 +213,12 @@ impl Endpoint {
         };
         let negotiated = negotiated_version(&bytes);
         if let Some(version) = negotiated {
-            let id = self.state.mcp.session_key.sign(&SessionFacts::new(&version, client_name, &caller.username));
+            let id = self.state.mcp.session_key.sign(&SessionFacts::new(
+                &version,
+                client_name,
+                &caller.username,
+                caller.uid.as_deref(),
+            ));
             if let Ok(value) = HeaderValue::from_str(&id) {
                 parts.headers.insert(SESSION_HEADER, value);
             }

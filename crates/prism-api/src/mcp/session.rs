@@ -23,6 +23,9 @@ pub const MIN_KEY_BYTES: usize = 32;
 const MAX_ID_BYTES: usize = 2048;
 /// Longest client name kept (clientInfo.name is the client's to choose).
 const MAX_CLIENT_NAME: usize = 128;
+/// A session id older than this is an unknown session (404): the client initializes
+/// again. A leaked id is worth a day at most, and only to its own identity.
+pub const MAX_SESSION_AGE_SECONDS: i64 = 24 * 3600;
 
 /// What a session-based client told the server at `initialize`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,9 +40,14 @@ pub struct SessionFacts {
     /// worth nothing to another identity.
     #[serde(rename = "u")]
     user: String,
-    /// When (Unix seconds): for the logs of whoever debugs a session.
+    /// When (Unix seconds): the session ends `MAX_SESSION_AGE_SECONDS` later.
     #[serde(rename = "t")]
     issued_at: i64,
+    /// A digest of the initializing identity's uid, when it has one: a ServiceAccount
+    /// deleted and made again under the same name is another identity. Absent in ids
+    /// signed before 0.2.0 (those are bound to the username alone until they age out).
+    #[serde(rename = "i", default, skip_serializing_if = "Option::is_none")]
+    uid: Option<String>,
     /// A digest of the signed id itself (set by `verify`): names the session where its
     /// subscriptions are kept.
     #[serde(skip)]
@@ -51,13 +59,14 @@ fn user_digest(username: &str) -> String {
 }
 
 impl SessionFacts {
-    pub fn new(protocol_version: &str, client_name: &str, username: &str) -> Self {
+    pub fn new(protocol_version: &str, client_name: &str, username: &str, uid: Option<&str>) -> Self {
         let client_name: String = client_name.chars().take(MAX_CLIENT_NAME).collect();
         SessionFacts {
             protocol_version: protocol_version.to_string(),
             client_name,
             user: user_digest(username),
             issued_at: chrono::Utc::now().timestamp(),
+            uid: uid.map(user_digest),
             id_digest: String::new(),
         }
     }
@@ -67,9 +76,14 @@ impl SessionFacts {
         &self.user
     }
 
-    /// Was this session initialized by `username`?
-    pub fn belongs_to(&self, username: &str) -> bool {
-        self.user == user_digest(username)
+    /// Was this session initialized by this identity (its username, and its uid when the
+    /// id names one), no longer ago than `MAX_SESSION_AGE_SECONDS`?
+    pub fn belongs_to(&self, username: &str, uid: Option<&str>, now: i64) -> bool {
+        let uid_ok = match &self.uid {
+            None => true,
+            Some(digest) => uid.map(user_digest).as_ref() == Some(digest),
+        };
+        self.user == user_digest(username) && uid_ok && now - self.issued_at <= MAX_SESSION_AGE_SECONDS
     }
 }
 
@@ -158,20 +172,32 @@ mod tests {
 
     #[test]
     fn a_signed_id_verifies_and_carries_its_facts() {
-        let facts = SessionFacts::new("2025-11-25", "claude-code", "system:serviceaccount:ns:agent");
+        let facts = SessionFacts::new("2025-11-25", "claude-code", "system:serviceaccount:ns:agent", Some("uid-1"));
         let id = key(1).sign(&facts);
         assert!(id.starts_with("ms1."));
         let back = key(1).verify(&id).expect("verifies");
         assert_eq!(back.id_digest.len(), 32);
         assert_eq!(key(1).verify(&id).expect("again").id_digest, back.id_digest, "one session, one digest");
         assert_eq!(SessionFacts { id_digest: String::new(), ..back.clone() }, facts);
-        assert!(back.belongs_to("system:serviceaccount:ns:agent"));
-        assert!(!back.belongs_to("system:serviceaccount:ns:other"));
+        let now = facts.issued_at;
+        assert!(back.belongs_to("system:serviceaccount:ns:agent", Some("uid-1"), now));
+        assert!(!back.belongs_to("system:serviceaccount:ns:other", Some("uid-1"), now));
+        assert!(!back.belongs_to("system:serviceaccount:ns:agent", Some("uid-2"), now), "the name made again");
+        assert!(!back.belongs_to("system:serviceaccount:ns:agent", None, now));
+        assert!(back.belongs_to("system:serviceaccount:ns:agent", Some("uid-1"), now + MAX_SESSION_AGE_SECONDS));
+        assert!(
+            !back.belongs_to("system:serviceaccount:ns:agent", Some("uid-1"), now + MAX_SESSION_AGE_SECONDS + 1),
+            "aged out"
+        );
+        // An id of 0.1.0 (no uid in it) is bound to the username until it ages out.
+        let old = SessionFacts { uid: None, ..facts.clone() };
+        let old = key(1).verify(&key(1).sign(&old)).expect("verifies");
+        assert!(old.belongs_to("system:serviceaccount:ns:agent", Some("uid-9"), now));
     }
 
     #[test]
     fn forged_or_foreign_ids_do_not_verify() {
-        let id = key(1).sign(&SessionFacts::new("2025-06-18", "codex-mcp-client", "alice"));
+        let id = key(1).sign(&SessionFacts::new("2025-06-18", "codex-mcp-client", "alice", None));
         assert!(key(2).verify(&id).is_none(), "another key");
         let (head, tag) = id.rsplit_once('.').expect("dots");
         let forged_payload = B64.encode(br#"{"v":"2025-06-18","c":"claude-ai","u":"x","t":0}"#);
@@ -190,7 +216,7 @@ mod tests {
 
     #[test]
     fn client_names_are_bounded() {
-        let facts = SessionFacts::new("2025-11-25", &"n".repeat(10_000), "u");
+        let facts = SessionFacts::new("2025-11-25", &"n".repeat(10_000), "u", None);
         assert_eq!(facts.client_name.len(), MAX_CLIENT_NAME);
     }
 }

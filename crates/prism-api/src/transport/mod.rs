@@ -49,6 +49,8 @@ pub struct Limits {
     /// How long requests in flight may take to finish after shutdown begins (the
     /// kubelet's default grace before SIGKILL is 30 s).
     pub shutdown_grace: Duration,
+    /// Counts reloaded certificates refused (`prism_tls_reloads_refused_total`).
+    pub tls_refusals: prometheus_client::metrics::counter::Counter,
 }
 
 impl Limits {
@@ -59,6 +61,7 @@ impl Limits {
             request_timeout: Duration::from_secs(30),
             max_connections,
             shutdown_grace: Duration::from_secs(20),
+            tls_refusals: Default::default(),
         }
     }
 }
@@ -105,7 +108,7 @@ pub async fn serve(
         Some(files) => {
             let loaded = files.load().map_err(|e| anyhow::anyhow!("{}: {e}", e.variable()))?;
             info!(cert = %files.cert.display(), sha256 = %loaded.fingerprint, "API serves TLS only");
-            let (reloader, config) = tls::Reloader::new(files.clone(), loaded);
+            let (reloader, config) = tls::Reloader::new(files.clone(), loaded, limits.tls_refusals.clone());
             let watch = tokio::spawn(reloader.run(tls::RELOAD_CHECK_EVERY));
             let acceptor = RustlsAcceptor::new(config).handshake_timeout(limits.tls_handshake_timeout).acceptor(capped);
             let served = server.acceptor(acceptor).serve(make_service).await.context("serving HTTPS");
@@ -133,6 +136,7 @@ mod tests {
             request_timeout: Duration::from_millis(800),
             max_connections: 2,
             shutdown_grace: Duration::from_secs(5),
+            tls_refusals: Default::default(),
         }
     }
 

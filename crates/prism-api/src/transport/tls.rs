@@ -57,6 +57,10 @@ pub enum TlsError {
     NoKey { path: PathBuf },
     #[error("the key in {} does not fit the certificate in {}: {detail}", key.display(), cert.display())]
     Unusable { cert: PathBuf, key: PathBuf, detail: String },
+    #[error("the certificate in {} is not valid now (valid from {not_before} to {not_after})", path.display())]
+    NotValidNow { path: PathBuf, not_before: String, not_after: String },
+    #[error("the certificate in {} does not cover {} that the served one does", path.display(), missing.join(", "))]
+    OtherNames { path: PathBuf, missing: Vec<String> },
 }
 
 impl TlsError {
@@ -64,7 +68,9 @@ impl TlsError {
     pub fn variable(&self) -> &'static str {
         match self {
             TlsError::Read { file, .. } | TlsError::NotPem { file, .. } => file.variable(),
-            TlsError::NoCertificate { .. } => TlsFile::Certificate.variable(),
+            TlsError::NoCertificate { .. } | TlsError::NotValidNow { .. } | TlsError::OtherNames { .. } => {
+                TlsFile::Certificate.variable()
+            }
             TlsError::NoKey { .. } | TlsError::Unusable { .. } => TlsFile::Key.variable(),
         }
     }
@@ -85,6 +91,8 @@ pub struct Loaded {
     pub fingerprint: String,
     /// SHA-256 over both files' bytes: a change of either is a change.
     digest: [u8; 32],
+    /// The DNS names and IP addresses the leaf certificate is for (its subjectAltName).
+    names: std::collections::BTreeSet<String>,
 }
 
 /// Names the certificate only: nothing of the key is ever printed.
@@ -129,6 +137,7 @@ impl CertFiles {
         })?;
         let leaf = chain.first().ok_or_else(|| TlsError::NoCertificate { path: self.cert.clone() })?;
         let fingerprint = hex(&Sha256::digest(leaf.as_ref()));
+        let names = self.valid_now(leaf.as_ref())?;
         let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| match e {
             rustls::pki_types::pem::Error::NoItemsFound => TlsError::NoKey { path: self.key.clone() },
             // The parser's own words name the PEM structure, never the key's bytes.
@@ -146,7 +155,44 @@ impl CertFiles {
             .with_single_cert(chain, key)
             .map_err(unusable)?;
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        Ok(Loaded { config: Arc::new(config), fingerprint, digest: digest(cert_pem, key_pem) })
+        Ok(Loaded { config: Arc::new(config), fingerprint, digest: digest(cert_pem, key_pem), names })
+    }
+
+    /// The leaf's names, once it is known to be valid now: an expired certificate (or one
+    /// not yet valid) would fail every client's handshake, so it is never served.
+    fn valid_now(&self, leaf: &[u8]) -> Result<std::collections::BTreeSet<String>, TlsError> {
+        use x509_parser::extensions::GeneralName;
+        let not_pem = |detail: String| TlsError::NotPem { file: TlsFile::Certificate, path: self.cert.clone(), detail };
+        let (_, cert) =
+            x509_parser::parse_x509_certificate(leaf).map_err(|e| not_pem(format!("not an X.509 certificate: {e}")))?;
+        let validity = cert.validity();
+        if !validity.is_valid() {
+            return Err(TlsError::NotValidNow {
+                path: self.cert.clone(),
+                not_before: validity.not_before.to_string(),
+                not_after: validity.not_after.to_string(),
+            });
+        }
+        let mut names = std::collections::BTreeSet::new();
+        if let Ok(Some(san)) = cert.subject_alternative_name() {
+            for name in &san.value.general_names {
+                match name {
+                    GeneralName::DNSName(dns) => {
+                        names.insert(dns.to_ascii_lowercase());
+                    }
+                    GeneralName::IPAddress(bytes) => {
+                        let ip = match bytes.len() {
+                            4 => <[u8; 4]>::try_from(*bytes).ok().map(|b| std::net::IpAddr::from(b).to_string()),
+                            16 => <[u8; 16]>::try_from(*bytes).ok().map(|b| std::net::IpAddr::from(b).to_string()),
+                            _ => None,
+                        };
+                        names.extend(ip);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(names)
     }
 }
 
@@ -180,6 +226,11 @@ pub struct Reloader {
     files: CertFiles,
     live: RustlsConfig,
     serving: [u8; 32],
+    /// The names the served certificate covers: a new one must cover them all, or the
+    /// clients that reach the API under one of them would fail their handshake.
+    names: std::collections::BTreeSet<String>,
+    /// Counts each refusal (`prism_tls_reloads_refused_total`).
+    refusals: prometheus_client::metrics::counter::Counter,
     /// What the last refusal was about (the content's digest, or the read error), so a
     /// bad pair is reported once, not every few seconds.
     refused: Option<String>,
@@ -187,9 +238,20 @@ pub struct Reloader {
 
 impl Reloader {
     /// Starts serving `loaded`; returns the watcher and the configuration to serve.
-    pub fn new(files: CertFiles, loaded: Loaded) -> (Reloader, RustlsConfig) {
+    pub fn new(
+        files: CertFiles,
+        loaded: Loaded,
+        refusals: prometheus_client::metrics::counter::Counter,
+    ) -> (Reloader, RustlsConfig) {
         let live = RustlsConfig::from_config(loaded.config);
-        let reloader = Reloader { files, live: live.clone(), serving: loaded.digest, refused: None };
+        let reloader = Reloader {
+            files,
+            live: live.clone(),
+            serving: loaded.digest,
+            names: loaded.names,
+            refused: None,
+            refusals,
+        };
         (reloader, live)
     }
 
@@ -205,9 +267,14 @@ impl Reloader {
             return Checked::Unchanged;
         }
         match self.files.parse(&cert, &key) {
+            Ok(loaded) if !loaded.names.is_superset(&self.names) => {
+                let missing = self.names.difference(&loaded.names).cloned().collect();
+                self.refuse(hex(&seen), TlsError::OtherNames { path: self.files.cert.clone(), missing })
+            }
             Ok(loaded) => {
                 self.live.reload_from_config(loaded.config);
                 self.serving = loaded.digest;
+                self.names = loaded.names;
                 self.refused = None;
                 Checked::Reloaded { fingerprint: loaded.fingerprint }
             }
@@ -220,6 +287,7 @@ impl Reloader {
             return Checked::StillKept;
         }
         self.refused = Some(what);
+        self.refusals.inc();
         Checked::Kept(e)
     }
 
@@ -237,6 +305,7 @@ impl Reloader {
                 }
                 Checked::Kept(error) => warn!(
                     %error,
+                    variable = error.variable(),
                     "TLS files changed but cannot be served; still serving the previous certificate"
                 ),
             }
@@ -248,14 +317,24 @@ impl Reloader {
 /// (ca, cert, key). For tests (this crate's, and the test kit's: the `test-util` feature).
 #[cfg(any(test, feature = "test-util"))]
 pub fn test_pair(cn: &str) -> (String, String, String) {
+    test_pair_for(cn, &["localhost", "127.0.0.1"], None)
+}
+
+/// The same for other names, and (`expired`) valid only in 2020.
+#[cfg(any(test, feature = "test-util"))]
+pub fn test_pair_for(cn: &str, names: &[&str], expired: Option<()>) -> (String, String, String) {
     let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
     ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     ca.distinguished_name.push(rcgen::DnType::CommonName, format!("{cn} CA"));
     let ca_key = rcgen::KeyPair::generate().expect("CA key");
     let ca = rcgen::CertifiedIssuer::self_signed(ca, ca_key).expect("CA certificate");
-    let mut leaf =
-        rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).expect("leaf parameters");
+    let mut leaf = rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+        .expect("leaf parameters");
     leaf.distinguished_name.push(rcgen::DnType::CommonName, cn);
+    if expired.is_some() {
+        leaf.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        leaf.not_after = rcgen::date_time_ymd(2020, 12, 31);
+    }
     let key = rcgen::KeyPair::generate().expect("leaf key");
     let cert = leaf.signed_by(&key, &ca).expect("leaf certificate");
     (ca.pem(), cert.pem(), key.serialize_pem())
@@ -313,6 +392,13 @@ mod tests {
         std::fs::write(&f.key, "-----BEGIN PRIVATE KEY-----\nAAAA\n").unwrap();
         let e = f.load().unwrap_err();
         assert!(matches!(e, TlsError::NotPem { file: TlsFile::Key, .. }), "{e}");
+        // An expired certificate is not served, at start either.
+        let (_, expired, expired_key) = test_pair_for("expired", &["localhost"], Some(()));
+        std::fs::write(&f.cert, &expired).unwrap();
+        std::fs::write(&f.key, &expired_key).unwrap();
+        let e = f.load().unwrap_err();
+        assert!(matches!(e, TlsError::NotValidNow { .. }) && e.variable() == "PRISM_TLS_CERT_FILE", "{e}");
+        assert!(e.to_string().contains("2020"), "{e}");
         // Errors never carry the key: the message of a mismatch names paths only.
         std::fs::write(&f.key, &key).unwrap();
         std::fs::write(&f.cert, &other_cert).unwrap();
@@ -349,7 +435,8 @@ mod tests {
         secret_version(&dir, "..v1", &cert1, &key1);
         let loaded = f.load().unwrap();
         let first = loaded.fingerprint.clone();
-        let (mut reloader, live) = Reloader::new(f.clone(), loaded);
+        let refusals = prometheus_client::metrics::counter::Counter::default();
+        let (mut reloader, live) = Reloader::new(f.clone(), loaded, refusals.clone());
         let served = |live: &RustlsConfig| Arc::as_ptr(&live.get_inner());
         let before = served(&live);
         assert!(matches!(reloader.check().await, Checked::Unchanged));
@@ -360,6 +447,19 @@ mod tests {
         assert!(matches!(reloader.check().await, Checked::Kept(TlsError::Unusable { .. })));
         assert!(matches!(reloader.check().await, Checked::StillKept));
         assert_eq!(served(&live), before);
+
+        // An expired pair, and a pair for other names: refused, the old pair served, each
+        // counted once (#43.9).
+        let (_, expired, expired_key) = test_pair_for("expired", &["localhost", "127.0.0.1"], Some(()));
+        secret_version(&dir, "..v2e", &expired, &expired_key);
+        assert!(matches!(reloader.check().await, Checked::Kept(TlsError::NotValidNow { .. })));
+        let (_, elsewhere, elsewhere_key) = test_pair_for("elsewhere", &["prism.example.com"], None);
+        secret_version(&dir, "..v2n", &elsewhere, &elsewhere_key);
+        let Checked::Kept(TlsError::OtherNames { missing, .. }) = reloader.check().await else { panic!("not refused") };
+        assert_eq!(missing, ["127.0.0.1", "localhost"]);
+        assert!(matches!(reloader.check().await, Checked::StillKept));
+        assert_eq!(served(&live), before);
+        assert_eq!(refusals.get(), 3, "the bad key, the expired pair, the other names");
 
         // The good pair: served from now on.
         secret_version(&dir, "..v3", &cert2, &key2);
