@@ -722,6 +722,61 @@ async fn a_preempted_masters_fenced_work_never_reaches_a_machine() {
     assert_eq!(wrong, 0);
 }
 
+/// #43.6: a change of master term does not wait on its project's whole fenced backlog.
+/// With 3,000 fenced jobs queued, the preempting registration's transaction cancels 1,000
+/// of them and leaves the rest to the reaper, which cancels them within seconds after the
+/// commit; none is ever handed to a Run.
+#[tokio::test]
+async fn a_change_of_term_cancels_a_large_fenced_backlog_after_its_commit() {
+    let w = World::start("jobs-fence-backlog", &[]).await;
+    let agent = support::agent_token(w.cp, &w.ns, "agent", &["create", "get", "list", "delete", "update"]).await;
+    let master = support::register(&w.op, &agent, &w.ns, "P", "codex-1", "codex").await;
+    let term = master["term"].as_i64().expect("term");
+    let run = started_run(&w, "run-a", "srv-a").await;
+    sqlx::query(
+        "INSERT INTO runtime_jobs (id, namespace, server_instance_id, component_kind, kind, payload,
+                                   fence_namespace, fence_project_id, fence_term)
+         SELECT gen_random_uuid(), $1, 'srv-a', 'run', 'config', '{}', $1, 'P', $2 FROM generate_series(1, 3000)",
+    )
+    .bind(&w.ns)
+    .bind(term)
+    .execute(&w.db.pool)
+    .await
+    .expect("a backlog of fenced jobs");
+    let count = |state: &'static str| {
+        let pool = w.db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM runtime_jobs WHERE state = $1 AND cancel_reason IS NOT DISTINCT FROM CASE WHEN $1 = 'cancelled' THEN 'stale_term' END")
+                .bind(state)
+                .fetch_one(&pool)
+                .await
+                .expect("count")
+        }
+    };
+    let desktop = support::register(&w.op, &agent, &w.ns, "P", "desktop-1", "claude_desktop").await;
+    assert!(desktop["term"].as_i64() > Some(term));
+    assert!(count("cancelled").await >= 1000, "the first batch went with the change itself");
+    assert!(run.claim(100).await.expect("claim").is_empty(), "no stale-term job is handed out meanwhile");
+    eventually(20, "the rest cancelled after the commit", || async {
+        (count("cancelled").await == 3000).then_some(())
+    })
+    .await;
+    assert_eq!(count("queued").await, 0);
+    let requests: i64 = sqlx::query_scalar("SELECT count(*) FROM runtime_job_fence_sweeps")
+        .fetch_one(&w.db.pool)
+        .await
+        .expect("requests");
+    assert_eq!(requests, 0, "the sweep request is forgotten once done");
+    // The change's own transaction (one `now()` for all its rows) cancelled 1,000.
+    let first_batch: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM runtime_jobs WHERE completed_at = (SELECT min(completed_at) FROM runtime_jobs)",
+    )
+    .fetch_one(&w.db.pool)
+    .await
+    .expect("first batch");
+    assert_eq!(first_batch, 1000);
+}
+
 /// §9 `prism_enqueue` / `prism_job` through the official MCP SDK, in both protocol
 /// generations: a master agent queues machine work fenced with its own term; once a
 /// desktop session preempts it, its queued work is cancelled (`stale_term`) and its next

@@ -172,4 +172,6 @@ pub struct Reaped {
     pub cancelled: u64,
     /// Jobs left queued past their time, cancelled (cause `expired`).
     pub expired: u64,
+    /// Stale-term fenced jobs cancelled after their project's change of term committed.
+    pub stale_term: u64,
 }

@@ -584,7 +584,7 @@ async fn the_reaper_counts_what_it_ended_by_outcome() {
     let (client, _server) = api_server();
     let (ctx, metrics) = context(client, false);
     *ctx.registry.reaped.lock().expect("lock") =
-        prism_core::run::Reaped { requeued: 2, failed: 1, cancelled: 0, expired: 0 };
+        prism_core::run::Reaped { requeued: 2, failed: 1, cancelled: 0, expired: 0, stale_term: 0 };
     let reaper = tokio::spawn(run_reaper(ctx.clone(), Duration::from_millis(5)));
     tokio::time::sleep(Duration::from_millis(50)).await;
     reaper.abort();

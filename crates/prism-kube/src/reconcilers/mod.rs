@@ -494,7 +494,8 @@ pub async fn run_reaper<E: Elections, R: Runs>(ctx: Arc<Context<E, R>>, interval
                     failed = r.failed,
                     cancelled = r.cancelled,
                     expired = r.expired,
-                    "jobs reaped: attempts ended by their visibility timeout, deadline or cancel grace; jobs left queued past their time cancelled"
+                    stale_term = r.stale_term,
+                    "jobs reaped: attempts ended by their visibility timeout, deadline or cancel grace; jobs left queued past their time, or fenced to a past term, cancelled"
                 );
             }
             Err(e) => warn!(error = %e, "job reaper failed; next attempt at the next interval"),

@@ -967,7 +967,61 @@ impl JobStore {
             .bind(self.settings.queued_ttl.as_secs_f64())
         })
         .await?;
+        reaped.stale_term = self.sweep_fenced().await?;
         Ok(reaped)
+    }
+
+    /// The fenced jobs a change of master term left to after its commit (its transaction
+    /// cancels the first 1,000 queued ones and leaves a sweep request when more are
+    /// left): each requested project's stale-term queued jobs are cancelled in batches
+    /// of 1,000, any in flight (claimed while the change was committing) asked to stop,
+    /// and the request forgotten unless a newer one came meanwhile. Returns how many jobs.
+    async fn sweep_fenced(&self) -> Result<u64, RegistryError> {
+        let requests: Vec<(String, String, DateTime<Utc>)> = sqlx::query_as(
+            "SELECT namespace, project_id, requested_at FROM runtime_job_fence_sweeps ORDER BY requested_at LIMIT 100",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .step("fence sweep: read the requests")?;
+        let mut swept = 0;
+        // A job is stale when its term is below the project's (terms only rise), or the
+        // project has no master: the same rule as the change's own trigger.
+        const STALE: &str = "j.fence_namespace = $1 AND j.fence_project_id = $2 AND j.fence_term IS NOT NULL
+             AND EXISTS (SELECT 1 FROM controller_projects p WHERE p.namespace = $1 AND p.project_id = $2
+                         AND (j.fence_term < p.term OR p.master_id IS NULL))";
+        for (namespace, project_id, requested_at) in requests {
+            let queued = format!(
+                "UPDATE runtime_jobs SET state = 'cancelled', completed_at = now(), updated_at = now(),
+                     cancel_reason = COALESCE(cancel_reason, 'stale_term'), cancel_cause = COALESCE(cancel_cause, 'stale_term')
+                 WHERE id IN (SELECT j.id FROM runtime_jobs j WHERE {STALE} AND j.state = 'queued' LIMIT 1000)"
+            );
+            swept +=
+                crate::election::store::prune_batches(&self.pool, "fence sweep: cancel stale-term queued jobs", || {
+                    sqlx::query(sqlx::AssertSqlSafe(queued.clone())).bind(&namespace).bind(&project_id)
+                })
+                .await?;
+            let in_flight = format!(
+                "UPDATE runtime_jobs j SET cancel_requested_at = now(), updated_at = now(),
+                     cancel_reason = COALESCE(cancel_reason, 'stale_term'), cancel_cause = COALESCE(cancel_cause, 'stale_term')
+                 WHERE {STALE} AND j.state IN ('claimed','running') AND j.cancel_requested_at IS NULL"
+            );
+            sqlx::query(sqlx::AssertSqlSafe(in_flight))
+                .bind(&namespace)
+                .bind(&project_id)
+                .execute(&self.pool)
+                .await
+                .step("fence sweep: ask the Runs of stale-term jobs in flight")?;
+            sqlx::query(
+                "DELETE FROM runtime_job_fence_sweeps WHERE namespace = $1 AND project_id = $2 AND requested_at <= $3",
+            )
+            .bind(&namespace)
+            .bind(&project_id)
+            .bind(requested_at)
+            .execute(&self.pool)
+            .await
+            .step("fence sweep: forget a request done")?;
+        }
+        Ok(swept)
     }
 
     /// Jobs by state, and cancelled jobs by reason, of every address (metrics).

@@ -1,0 +1,276 @@
+//! Held streams and forged hellos (issue #43, SPEC §12 "Streams are bounded too" and "A
+//! refusal costs the refused"): one replica, a legitimate agent heartbeating, quiet
+//! windows against attacked ones in the same run. The attack: 1,000 SSE watches whose
+//! readers never read (sockets with a 4 KiB receive buffer) while their project changes
+//! every 50 ms, so each has an event waiting, and 10,000 hellos signed by the wrong key
+//! in a real Run's name. Targets: the operator's RSS during the attack within 64 MiB of
+//! quiet, the agent's heartbeat p99 within 2x of quiet, and the Run's own hello right
+//! after the forged ones answered 201. Prints the counts: watches held, reset, refused;
+//! hellos refused by signature or rate.
+//!
+//! The stream cap is raised to 1,000 for the attacker's one identity (the default, 16
+//! per identity, would refuse all but 16): what is measured is the memory a stalled
+//! stream can cost, which the one-event outbox bounds. The per-address budget is opened
+//! wide as well: the forged hellos reach the signature check, their dearest path.
+//!
+//!   scripts/bench abuse   (or: cargo bench --bench abuse, with the services up)
+
+mod common;
+use prism_testkit as support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::counts::rss_mib;
+use common::measure::{Target, Window, interleave, judged, percentile, rounds, spread, window};
+use futures::FutureExt;
+use prism_operator::run_client::{self, RunClient};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const STALLED_WATCHES: usize = 1_000;
+const FORGED_HELLOS: u64 = 10_000;
+const AGENTS: usize = 4;
+const WINDOW: Duration = Duration::from_secs(10);
+
+#[derive(Default)]
+struct Attack {
+    watches_held: AtomicU64,
+    watches_reset: AtomicU64,
+    watches_refused: AtomicU64,
+    hellos_bad_signature: AtomicU64,
+    hellos_limited: AtomicU64,
+    hellos_other: AtomicU64,
+    rss_peak_mib: AtomicU64,
+}
+
+/// A watch whose reader never reads: the request, then nothing until `stop`; then it
+/// reads what the server sent and notes whether the stream ended with a `reset`.
+async fn stalled_watch(addr: std::net::SocketAddr, request: String, attack: Arc<Attack>, stop: Arc<AtomicBool>) {
+    let Ok(socket) = tokio::net::TcpSocket::new_v4() else { return };
+    let _ = socket.set_recv_buffer_size(4096);
+    let Ok(mut conn) = socket.connect(addr).await else { return };
+    if conn.write_all(request.as_bytes()).await.is_err() {
+        return;
+    }
+    let mut head = [0u8; 12];
+    if conn.read_exact(&mut head).await.is_err() {
+        return;
+    }
+    match &head[9..12] {
+        b"200" => attack.watches_held.fetch_add(1, Ordering::Relaxed),
+        b"429" => {
+            attack.watches_refused.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        _ => return,
+    };
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut rest)).await;
+    if String::from_utf8_lossy(&rest).contains("event: reset") {
+        attack.watches_reset.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Hellos signed by the wrong key in `server`'s name, 64 in flight, until all are sent.
+async fn forged_hellos(base: String, server: String, attack: Arc<Attack>) {
+    let (key, _) = run_client::new_key().expect("key");
+    let forger = Arc::new(RunClient::new(&base, &server, "run", 1, key).with_http(reqwest::Client::new()));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut tasks = Vec::new();
+    for _ in 0..FORGED_HELLOS {
+        let permit = in_flight.clone().acquire_owned().await.expect("semaphore");
+        let (forger, attack) = (forger.clone(), attack.clone());
+        tasks.push(tokio::spawn(async move {
+            let now = chrono::Utc::now().timestamp();
+            let body = forger.hello_body(now, &uuid::Uuid::new_v4().simple().to_string());
+            let counter = match forger.post_hello(&body).await {
+                Err(e) if e.code() == Some("bad_signature") => &attack.hellos_bad_signature,
+                Err(e) if e.code() == Some("rate_limited") => &attack.hellos_limited,
+                _ => &attack.hellos_other,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            drop(permit);
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+fn p99_ms(windows: &[Window]) -> Vec<f64> {
+    windows
+        .iter()
+        .map(|w| {
+            let ms: Vec<f64> = w.latencies.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+            percentile(&ms, 0.99)
+        })
+        .collect()
+}
+
+#[tokio::main]
+async fn main() {
+    let w = support::runs::RunWorld::start(
+        "benchabuse",
+        &[
+            ("RUST_LOG", "warn"),
+            ("PRISM_MAX_STREAMS_PER_IDENTITY", "1000"),
+            ("PRISM_UNAUTHENTICATED_RATE", "100000"),
+            ("PRISM_UNAUTHENTICATED_BURST", "100000"),
+            ("PRISM_MAX_SESSIONS_PER_IDENTITY", "100000"),
+            common::UNTHROTTLED_RATE,
+            common::UNTHROTTLED_BURST,
+        ],
+    )
+    .await;
+    let (cp, ns, op) = (w.cp, w.ns.clone(), &w.op);
+    let agent = support::agent_token(cp, &ns, "agent", &["create", "list"]).await;
+    let attacker = support::agent_token(cp, &ns, "attacker", &["create", "list"]).await;
+    for i in 0..AGENTS {
+        support::register(op, &agent, &ns, "HB", &format!("hb-{i}"), "claude_code").await;
+    }
+    support::register(op, &attacker, &ns, "W", "w-0", "codex").await;
+    let mut run = w.run("victim", "srv-victim", None).await;
+    run.hello().await.expect("the Run's hello");
+    let addr: std::net::SocketAddr = op.base.trim_start_matches("http://").parse().expect("operator address");
+    let pid = op.pid();
+    println!(
+        "prism-operator abuse benchmark: {AGENTS} agents heartbeating, quiet vs under {STALLED_WATCHES} stalled watches \
+         (their project changing every 50 ms) and {FORGED_HELLOS} forged hellos ({} rounds of {} s windows per side)\n",
+        rounds(),
+        WINDOW.as_secs()
+    );
+    let http = support::http();
+    let heartbeat = {
+        let (h, url, tok, ns) = (http.clone(), op.url("/api/v1/controller/heartbeat"), agent.clone(), ns.clone());
+        move |i: usize, _n: u64| {
+            let (h, url, tok, ns) = (h.clone(), url.clone(), tok.clone(), ns.clone());
+            async move {
+                let r = h
+                    .post(url)
+                    .bearer_auth(tok)
+                    .json(&json!({"namespace": ns, "session_id": format!("hb-{i}")}))
+                    .send()
+                    .await;
+                matches!(r, Ok(r) if r.status().is_success())
+            }
+        }
+    };
+    assert!(heartbeat(0, 0).await, "the agent's heartbeat works");
+
+    let attacks: Vec<Arc<Attack>> = (0..rounds()).map(|_| Arc::new(Attack::default())).collect();
+    let quiet_rss = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
+    let hello_answers = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let run = Arc::new(tokio::sync::Mutex::new(run));
+    let sides = interleave(2, rounds(), |side, round| {
+        let heartbeat = heartbeat.clone();
+        let attack = attacks[round].clone();
+        let (quiet_rss, hello_answers, run) = (quiet_rss.clone(), hello_answers.clone(), run.clone());
+        let (base, ns, attacker, http) = (op.base.clone(), ns.clone(), attacker.clone(), http.clone());
+        let register_url = op.url("/api/v1/controller/register");
+        async move {
+            if side == 0 {
+                let measured = window(AGENTS, WINDOW, heartbeat).await;
+                if let Ok(mut q) = quiet_rss.lock() {
+                    q.push(rss_mib(pid));
+                }
+                return measured;
+            }
+            let stop = Arc::new(AtomicBool::new(false));
+            let request = format!(
+                "GET /api/v1/controller/W/watch?namespace={ns} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {attacker}\r\nAccept: text/event-stream\r\n\r\n"
+            );
+            let mut tasks = Vec::new();
+            for _ in 0..STALLED_WATCHES {
+                tasks.push(tokio::spawn(stalled_watch(addr, request.clone(), attack.clone(), stop.clone())));
+            }
+            // The watched project changes every 50 ms: every stalled reader has an event
+            // waiting, and falls behind.
+            let churn = {
+                let (stop, http, ns, attacker) = (stop.clone(), http.clone(), ns.clone(), attacker.clone());
+                tokio::spawn(async move {
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        n += 1;
+                        let _ = http
+                            .post(&register_url)
+                            .bearer_auth(&attacker)
+                            .json(&json!({"namespace": ns, "project_id": "W", "session_id": format!("w-{round}-{n}"),
+                                          "agent_surface": "codex"}))
+                            .send()
+                            .await;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                })
+            };
+            let hellos = tokio::spawn(forged_hellos(base, "srv-victim".into(), attack.clone()));
+            let sampler = {
+                let (stop, attack) = (stop.clone(), attack.clone());
+                tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        attack.rss_peak_mib.fetch_max(rss_mib(pid) as u64, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                })
+            };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while attack.watches_held.load(Ordering::Relaxed) + attack.watches_refused.load(Ordering::Relaxed)
+                < STALLED_WATCHES as u64
+                && Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let measured = window(AGENTS, WINDOW, heartbeat).await;
+            let _ = hellos.await;
+            // The Run's own hello, right after the forged ones in its name.
+            let answer = match run.lock().await.hello().await {
+                Ok(_) => "201".to_string(),
+                Err(e) => format!("{e}"),
+            };
+            if let Ok(mut a) = hello_answers.lock() {
+                a.push(answer);
+            }
+            stop.store(true, Ordering::Relaxed);
+            for t in tasks {
+                let _ = t.await;
+            }
+            churn.abort();
+            sampler.abort();
+            measured
+        }
+        .boxed()
+    })
+    .await;
+    let quiet = p99_ms(&sides[0]);
+    let attacked = p99_ms(&sides[1]);
+    println!("heartbeat p99, quiet      {} ms", spread(&quiet, 2));
+    println!("heartbeat p99, attacked   {} ms", spread(&attacked, 2));
+    let ratios: Vec<f64> = attacked.iter().zip(&quiet).map(|(a, q)| a / q.max(f64::MIN_POSITIVE)).collect();
+    println!("attacked / quiet          {}", judged(&ratios, 2, Target::AtMost(2.0)));
+    let quiet_rss = quiet_rss.lock().map(|q| q.clone()).unwrap_or_default();
+    let peaks: Vec<f64> = attacks.iter().map(|a| a.rss_peak_mib.load(Ordering::Relaxed) as f64).collect();
+    let growth: Vec<f64> = peaks.iter().zip(&quiet_rss).map(|(p, q)| p - q).collect();
+    println!("RSS quiet                 {} MiB", spread(&quiet_rss, 1));
+    println!("RSS peak, attacked        {} MiB", spread(&peaks, 1));
+    println!("attacked - quiet          {}", judged(&growth, 1, Target::AtMost(64.0)));
+    let total = |f: fn(&Attack) -> &AtomicU64| attacks.iter().map(|a| f(a).load(Ordering::Relaxed)).sum::<u64>();
+    println!(
+        "stalled watches: {} held, {} ended with a reset, {} refused 429",
+        total(|a| &a.watches_held),
+        total(|a| &a.watches_reset),
+        total(|a| &a.watches_refused)
+    );
+    println!(
+        "forged hellos: {} answered 401 bad_signature, {} 429 rate_limited, {} other",
+        total(|a| &a.hellos_bad_signature),
+        total(|a| &a.hellos_limited),
+        total(|a| &a.hellos_other)
+    );
+    let answers = hello_answers.lock().map(|a| a.clone()).unwrap_or_default();
+    println!("the Run's own hello after each attack: {answers:?}");
+    assert!(answers.iter().all(|a| a == "201"), "the Run was locked out by forged hellos");
+}
