@@ -124,6 +124,7 @@ async fn main() {
             ("PRISM_MAX_SESSIONS_PER_IDENTITY", "100000"),
             common::UNTHROTTLED_RATE,
             common::UNTHROTTLED_BURST,
+            common::UNCAPPED_ADDRESS,
         ],
     )
     .await;

@@ -198,7 +198,7 @@ async fn bench_heartbeats(
         cp,
         &db.url,
         &ns,
-        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST],
+        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST, common::UNCAPPED_ADDRESS],
     )
     .await;
     let token = support::agent_token(cp, &ns, "bench", &["create"]).await;
@@ -324,7 +324,7 @@ async fn convergence_rounds(
                 client,
                 &db.url,
                 1000,
-                &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST],
+                &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST, common::UNCAPPED_ADDRESS],
                 round,
             )
             .await

@@ -47,7 +47,7 @@ async fn main() {
         cp,
         &db.url,
         &ns,
-        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST],
+        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST, common::UNCAPPED_ADDRESS],
     )
     .await;
     let token = support::agent_token(cp, &ns, "bench", &["create"]).await;

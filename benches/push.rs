@@ -174,6 +174,7 @@ async fn main() {
             ("RUST_LOG", "warn"),
             common::UNTHROTTLED_RATE,
             common::UNTHROTTLED_BURST,
+            common::UNCAPPED_ADDRESS,
             ("PRISM_MAX_CONNECTIONS", "20000"),
             ("PRISM_API_DB_CONNECTIONS", "20"),
         ],

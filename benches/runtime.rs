@@ -126,6 +126,7 @@ async fn main() {
             ("RUST_LOG", "warn"),
             common::UNTHROTTLED_RATE,
             common::UNTHROTTLED_BURST,
+            common::UNCAPPED_ADDRESS,
         ],
     )
     .await;

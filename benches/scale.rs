@@ -182,6 +182,7 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
         ("PRISM_MAX_SESSIONS_PER_NAMESPACE", quota.as_str()),
         common::UNTHROTTLED_RATE,
         common::UNTHROTTLED_BURST,
+        common::UNCAPPED_ADDRESS,
     ];
     let line = |figure: &str, values: &[f64]| println!("{}", scale_line(n, figure, values));
     println!("== N = {n}: {n} registrations over {projects} projects, {n} RunSessions and Runs; {r} rounds");

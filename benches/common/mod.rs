@@ -16,3 +16,6 @@ pub mod scrape;
 /// their own identity and budget.
 pub const UNTHROTTLED_RATE: (&str, &str) = ("PRISM_RATE_PER_IDENTITY", "1000000");
 pub const UNTHROTTLED_BURST: (&str, &str) = ("PRISM_BURST_PER_IDENTITY", "10000000");
+/// One source address's share of the connection cap (SPEC §12) opened to the whole cap: a
+/// bench's clients all come from 127.0.0.1.
+pub const UNCAPPED_ADDRESS: (&str, &str) = ("PRISM_MAX_CONNECTIONS_PER_ADDRESS", "1000000");

@@ -93,8 +93,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     let election = ElectionStore::with_quotas(api_pool.clone(), quotas).with_live_roles(signals.live_roles());
     let heartbeats = HeartbeatCoalescer::spawn(election.clone(), COALESCING_WINDOW, metrics.heartbeat_flushes.clone());
-    let ApiSettings { limits, allowed_hosts, session_key, tls, audiences, listen, max_connections, streams, .. } =
-        settings;
+    let ApiSettings {
+        limits,
+        allowed_hosts,
+        session_key,
+        tls,
+        audiences,
+        listen,
+        max_connections,
+        max_connections_per_address,
+        streams,
+        ..
+    } = settings;
     let mcp = mcp_config(allowed_hosts, session_key, &api_pool).await?;
     let limits = Arc::new(limits);
     spawn_limit_pruning(limits.clone());
@@ -127,7 +137,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         // Receivers live as long as the server and the leader loop; none left is fine.
         let _ = stop_tx.send(true);
     });
-    serve_api(listen, max_connections, tls, state, stop_rx).await?;
+    serve_api(listen, (max_connections, max_connections_per_address), tls, state, stop_rx).await?;
     info!("HTTP API stopped: waiting claims answered, watches and MCP streams ended");
     let _ = lease_stop_tx.send(true);
     if let Some(leading) = leading {
@@ -278,12 +288,12 @@ fn spawn_subscription_pruning(subscriptions: McpStore) {
 /// `stop` says so.
 async fn serve_api(
     listen: std::net::SocketAddr,
-    max_connections: usize,
+    (max_connections, per_address): (usize, Option<usize>),
     tls: Option<transport::CertFiles>,
     state: Arc<AppState>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let mut limits = transport::Limits::spec(max_connections);
+    let mut limits = transport::Limits::spec(max_connections, per_address);
     limits.tls_refusals = state.metrics.tls_reloads_refused.clone();
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -291,7 +301,7 @@ async fn serve_api(
     if let Some(warning) = transport::plain_http_warning(listen, tls.is_some()) {
         warn!("{warning}");
     }
-    info!(%listen, tls = tls.is_some(), max_connections = limits.max_connections, "HTTP API serving");
+    info!(%listen, tls = tls.is_some(), max_connections = limits.max_connections, max_connections_per_address = limits.max_connections_per_address, "HTTP API serving");
     let shutdown = async move {
         let _ = stop.wait_for(|stop| *stop).await;
     };

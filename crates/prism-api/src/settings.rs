@@ -77,6 +77,12 @@ pub struct ApiArgs {
     #[arg(long, env = "PRISM_MAX_CONNECTIONS", default_value_t = 4096,
           value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_connections: u32,
+    /// The most of those connections one source address holds (SPEC §12: a share of the
+    /// cap, so one address cannot take every slot); default a quarter of the cap. Behind a
+    /// proxy that connects from one address, raise it to the cap.
+    #[arg(long, env = "PRISM_MAX_CONNECTIONS_PER_ADDRESS",
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_connections_per_address: Option<u32>,
     /// Held requests (SSE watches, MCP GET streams and `subscriptions/listen`, long-poll
     /// claims) one Kubernetes identity, or one Run session, may hold at once on a replica;
     /// 429 `too_many_streams` beyond (SPEC §12).
@@ -105,6 +111,8 @@ pub struct ApiSettings {
     /// Where it listens, and how many connections it keeps open at once.
     pub listen: SocketAddr,
     pub max_connections: usize,
+    /// One source address's share of them (None: a quarter).
+    pub max_connections_per_address: Option<usize>,
     /// The audiences an agent's token must be valid for (at least one).
     pub audiences: Vec<String>,
     /// The rate limits of unauthenticated work (SPEC §12).
@@ -142,6 +150,7 @@ impl ApiArgs {
         Ok(ApiSettings {
             listen: self.listen,
             max_connections: self.max_connections as usize,
+            max_connections_per_address: self.max_connections_per_address.map(|n| n as usize),
             audiences,
             limits: self.limits(),
             max_sessions_per_identity: self.max_sessions_per_identity,

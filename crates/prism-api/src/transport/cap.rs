@@ -1,5 +1,8 @@
 //! The cap on open connections (`PRISM_MAX_CONNECTIONS`): an axum-server acceptor that
-//! holds one permit per open connection, for as long as the connection lives.
+//! holds one permit per open connection, for as long as the connection lives; and each
+//! source address's share of it (`PRISM_MAX_CONNECTIONS_PER_ADDRESS`, a quarter of the
+//! cap by default, SPEC §12), so that one address cannot hold every slot and lock every
+//! other client out.
 //!
 //! A connection over the cap is closed at once rather than made to wait. A waiting
 //! connection would still hold its socket and the client would hear nothing until its
@@ -7,7 +10,9 @@
 //! replicas) retries at once, against another replica when there is one, and the
 //! process's file descriptors and memory stay bounded whatever the peer does.
 
+use std::collections::HashMap;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,19 +28,69 @@ use tracing::warn;
 /// At most one warning per this long while connections are being refused.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
+/// The source address of an accepted connection (None: not known, not counted).
+pub trait PeerOf {
+    fn peer_ip(&self) -> Option<IpAddr>;
+}
+
+impl PeerOf for tokio::net::TcpStream {
+    fn peer_ip(&self) -> Option<IpAddr> {
+        self.peer_addr().ok().map(|a| a.ip())
+    }
+}
+
 /// Wraps the acceptor that runs first on a new connection (before TLS).
 #[derive(Clone)]
 pub struct ConnectionCap<A> {
     inner: A,
     permits: Arc<Semaphore>,
     max: usize,
+    shares: Arc<Shares>,
     refused: Arc<Refusals>,
 }
 
+/// Connections open per source address, and the most one may hold.
+struct Shares {
+    per_address: usize,
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl Shares {
+    fn take(self: &Arc<Self>, ip: IpAddr) -> Option<AddressPermit> {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(ip).or_insert(0);
+        if *n >= self.per_address {
+            return None;
+        }
+        *n += 1;
+        Some(AddressPermit { shares: self.clone(), ip })
+    }
+}
+
+/// One connection's place in its address's share; given back when dropped.
+pub struct AddressPermit {
+    shares: Arc<Shares>,
+    ip: IpAddr,
+}
+
+impl Drop for AddressPermit {
+    fn drop(&mut self) {
+        let mut open = self.shares.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
 impl<A> ConnectionCap<A> {
-    pub fn new(inner: A, max: usize) -> Self {
+    /// `per_address`: the most connections one source address holds (at most `max`).
+    pub fn new(inner: A, max: usize, per_address: usize) -> Self {
         let max = max.clamp(1, Semaphore::MAX_PERMITS);
-        ConnectionCap { inner, permits: Arc::new(Semaphore::new(max)), max, refused: Arc::default() }
+        let shares = Arc::new(Shares { per_address: per_address.clamp(1, max), open: Mutex::default() });
+        ConnectionCap { inner, permits: Arc::new(Semaphore::new(max)), max, shares, refused: Arc::default() }
     }
 }
 
@@ -45,24 +100,39 @@ where
     A::Future: Send + 'static,
     A::Stream: Send + 'static,
     A::Service: Send + 'static,
+    I: PeerOf,
 {
     type Stream = Capped<A::Stream>;
     type Service = A::Service;
     type Future = BoxFuture<'static, io::Result<(Self::Stream, Self::Service)>>;
 
     fn accept(&self, stream: I, service: S) -> Self::Future {
+        let share = match stream.peer_ip() {
+            Some(ip) => match self.shares.take(ip) {
+                Some(permit) => Some(permit),
+                None => {
+                    drop(stream);
+                    self.refused.note(self.max, Some(self.shares.per_address));
+                    return Box::pin(std::future::ready(Err(io::Error::other(format!(
+                        "connection refused: this address holds {} connections (PRISM_MAX_CONNECTIONS_PER_ADDRESS)",
+                        self.shares.per_address
+                    )))));
+                }
+            },
+            None => None,
+        };
         match self.permits.clone().try_acquire_owned() {
             Ok(permit) => {
                 let inner = self.inner.accept(stream, service);
                 Box::pin(async move {
                     let (stream, service) = inner.await?;
-                    Ok((Capped { inner: stream, _permit: permit }, service))
+                    Ok((Capped { inner: stream, _permit: permit, _share: share }, service))
                 })
             }
             Err(_) => {
                 // Dropping the stream closes the connection.
                 drop(stream);
-                self.refused.note(self.max);
+                self.refused.note(self.max, None);
                 Box::pin(std::future::ready(Err(io::Error::other(format!(
                     "connection refused: {} connections open (PRISM_MAX_CONNECTIONS)",
                     self.max
@@ -81,7 +151,8 @@ struct Refusals {
 }
 
 impl Refusals {
-    fn note(&self, max: usize) {
+    /// `per_address`: set when an address's share was the limit, not the whole cap.
+    fn note(&self, max: usize, per_address: Option<usize>) {
         self.since_warning.fetch_add(1, Ordering::Relaxed);
         let Ok(mut warned_at) = self.warned_at.try_lock() else { return };
         if warned_at.is_some_and(|at| at.elapsed() < WARN_EVERY) {
@@ -89,14 +160,22 @@ impl Refusals {
         }
         *warned_at = Some(Instant::now());
         let refused = self.since_warning.swap(0, Ordering::Relaxed);
-        warn!(refused, max_connections = max, "connection cap reached: new connections are closed at once");
+        match per_address {
+            None => warn!(refused, max_connections = max, "connection cap reached: new connections are closed at once"),
+            Some(share) => warn!(
+                refused,
+                max_connections_per_address = share,
+                "an address holds its share of the connection cap: its new connections are closed at once"
+            ),
+        }
     }
 }
 
-/// A connection's stream and its permit: the permit returns when the stream is dropped.
+/// A connection's stream and its permits: they return when the stream is dropped.
 pub struct Capped<S> {
     inner: S,
     _permit: OwnedSemaphorePermit,
+    _share: Option<AddressPermit>,
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Capped<S> {

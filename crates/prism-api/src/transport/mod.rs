@@ -46,6 +46,8 @@ pub struct Limits {
     pub tls_handshake_timeout: Duration,
     pub request_timeout: Duration,
     pub max_connections: usize,
+    /// The most of them one source address holds.
+    pub max_connections_per_address: usize,
     /// How long requests in flight may take to finish after shutdown begins (the
     /// kubelet's default grace before SIGKILL is 30 s).
     pub shutdown_grace: Duration,
@@ -54,8 +56,10 @@ pub struct Limits {
 }
 
 impl Limits {
-    pub fn spec(max_connections: usize) -> Limits {
+    /// SPEC §12's limits; one address's share of the connections, a quarter by default.
+    pub fn spec(max_connections: usize, per_address: Option<usize>) -> Limits {
         Limits {
+            max_connections_per_address: per_address.unwrap_or(max_connections.div_ceil(4)),
             header_read_timeout: Duration::from_secs(10),
             tls_handshake_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(30),
@@ -102,7 +106,8 @@ pub async fn serve(
     let server = server.accept_error_handler(|peer: Option<&SocketAddr>, error: &std::io::Error| {
         debug!(peer = ?peer, %error, "connection not accepted");
     });
-    let capped = cap::ConnectionCap::new(DefaultAcceptor::new(), limits.max_connections);
+    let capped =
+        cap::ConnectionCap::new(DefaultAcceptor::new(), limits.max_connections, limits.max_connections_per_address);
     match tls {
         None => server.acceptor(capped).serve(make_service).await.context("serving HTTP"),
         Some(files) => {
@@ -135,6 +140,7 @@ mod tests {
             tls_handshake_timeout: Duration::from_millis(600),
             request_timeout: Duration::from_millis(800),
             max_connections: 2,
+            max_connections_per_address: 2,
             shutdown_grace: Duration::from_secs(5),
             tls_refusals: Default::default(),
         }
@@ -260,6 +266,33 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (answer, _) = exchange(server.addr, b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
+    /// SPEC §12: one address holds at most its share of the cap; another address is
+    /// served while it does (127.0.0.2 is a second loopback address).
+    #[tokio::test]
+    async fn one_address_holds_at_most_its_share_of_the_cap() {
+        let mut l = limits();
+        l.header_read_timeout = Duration::from_secs(30);
+        (l.max_connections, l.max_connections_per_address) = (4, 2);
+        let server = start(app(), l, None).await;
+        let held = [TcpStream::connect(server.addr).await.unwrap(), TcpStream::connect(server.addr).await.unwrap()];
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let request = b"GET /fast HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+        let (answer, took) = exchange(server.addr, request).await;
+        assert_eq!(answer, "", "the address's third connection is closed unanswered");
+        assert!(took < Duration::from_secs(2), "at once: {took:?}");
+        let other = tokio::net::TcpSocket::new_v4().unwrap();
+        other.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut conn = other.connect(server.addr).await.unwrap();
+        conn.write_all(request).await.unwrap();
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer)).await;
+        assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"), "another address is served");
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (answer, _) = exchange(server.addr, request).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "the share frees with its connections: {answer}");
     }
 
     #[tokio::test]
