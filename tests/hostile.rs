@@ -1141,3 +1141,74 @@ async fn a_flooding_identity_is_throttled_and_its_neighbour_is_not() {
         assert_eq!(get(&op, &neighbour, &path).await.0, 200, "the neighbour is served during the flood");
     }
 }
+
+/// #43.9: the Run session routes are no way around the per-address limit. A flood of
+/// made-up session tokens from one address is refused with 429 once the address's budget
+/// is spent, before each costs a look-up, while a Run whose token checked out keeps
+/// heartbeating and claiming from that same address.
+#[tokio::test]
+async fn a_flood_of_made_up_session_tokens_is_rate_limited_and_a_real_run_is_not() {
+    let w = runs("h-session-flood", &[("PRISM_UNAUTHENTICATED_RATE", "2"), ("PRISM_UNAUTHENTICATED_BURST", "5")]).await;
+    let mut run = w.run("r", "srv-flood", None).await;
+    run.hello().await.expect("hello");
+    run.heartbeat().await.expect("its first heartbeat: its token is known from now on");
+    let mut limited = 0;
+    for n in 0..40 {
+        let r = http()
+            .post(w.op.url("/api/v1/runtime/heartbeat"))
+            .bearer_auth(format!("prs1.{n}.{}", uuid::Uuid::new_v4().simple()))
+            .send()
+            .await
+            .expect("POST");
+        match r.status().as_u16() {
+            401 => {}
+            429 => {
+                limited += 1;
+                assert!(r.headers().get("retry-after").is_some());
+            }
+            other => panic!("a made-up session token answered {other}"),
+        }
+        run.heartbeat().await.expect("the real Run is served during the flood");
+    }
+    assert!(limited >= 20, "{limited} of 40 made-up tokens refused 429 (burst 5, 2/s)");
+    assert!(run.claim(1).await.is_ok(), "and claims");
+}
+
+/// #43.9: a Run that flips `draining` on every heartbeat, as fast as it can, costs the API
+/// server a bounded number of status writes (one refresh per address every 2 s, the last
+/// state last), not one per flip; its status still ends where the Run left it.
+#[tokio::test]
+async fn flipping_draining_costs_a_bounded_number_of_status_writes() {
+    let w = runs("h-drain-flips", &[]).await;
+    let mut run = w.run("flipper", "srv-flipper", None).await;
+    run.hello().await.expect("hello");
+    support::phase(&w.api, "flipper", RunPhase::Online, 15).await;
+    let api = w.api.clone();
+    let watching = tokio::spawn(async move {
+        let mut versions = std::collections::BTreeSet::new();
+        let until = std::time::Instant::now() + Duration::from_secs(8);
+        while std::time::Instant::now() < until {
+            if let Ok(obj) = api.get("flipper").await {
+                versions.extend(obj.metadata.resource_version);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        versions.len()
+    });
+    let started = std::time::Instant::now();
+    let mut flips = 0;
+    while started.elapsed() < Duration::from_secs(4) {
+        run.draining = Some(flips % 2 == 0);
+        run.heartbeat().await.expect("heartbeat");
+        flips += 1;
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    run.draining = Some(true);
+    run.heartbeat().await.expect("heartbeat");
+    let versions = watching.await.expect("watcher");
+    assert!(flips >= 50, "{flips} flips");
+    // 4 s of flips: a refresh at once and one each 2 s after, with the watch's first
+    // sight and the last refresh: a handful, where one per flip would be dozens.
+    assert!(versions <= 7, "{versions} versions of the RunSession for {flips} drain flips");
+    support::phase(&w.api, "flipper", RunPhase::Draining, 15).await;
+}

@@ -35,7 +35,35 @@ pub struct Limits {
     hellos: DefaultKeyedRateLimiter<String>,
     /// Authenticated calls per Kubernetes identity (its username).
     per_identity: DefaultKeyedRateLimiter<String>,
+    /// Run session tokens that checked out lately (their SHA-256): a Run's own calls are
+    /// not charged to its address; any other token is, before it costs a Redis look-up.
+    known_sessions: moka::sync::Cache<[u8; 32], ()>,
+    /// Run addresses whose drain change was announced within `DRAIN_ANNOUNCE_EVERY`, and
+    /// those with an announcement waiting for its turn.
+    drain_announced: moka::sync::Cache<String, ()>,
+    drain_waiting: moka::sync::Cache<String, ()>,
 }
+
+/// At most one status refresh per Run address this often for its drain changes: a Run
+/// that flips `draining` on every heartbeat, as fast as it likes, costs the API server
+/// one status write (and Event) per period, not one per flip.
+pub const DRAIN_ANNOUNCE_EVERY: Duration = Duration::from_secs(2);
+
+/// When to announce a Run's drain change (`Limits::drain_announce`).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Announce {
+    /// Now.
+    Now,
+    /// After `DRAIN_ANNOUNCE_EVERY` (then `drain_announced_late`): the latest state is
+    /// announced then.
+    Later,
+    /// Not at all: an announcement already waits, and will carry this change too.
+    Waiting,
+}
+
+/// How long a session token that checked out is taken for known (a Run calls every few
+/// seconds; a token superseded meanwhile is refused by the look-up all the same).
+const KNOWN_SESSION_TTL: Duration = Duration::from_secs(600);
 
 impl Limits {
     pub fn new(unauthenticated: Rate, hellos: Rate, per_identity: Rate) -> Self {
@@ -43,6 +71,53 @@ impl Limits {
             per_address: RateLimiter::keyed(unauthenticated.quota()),
             hellos: RateLimiter::keyed(hellos.quota()),
             per_identity: RateLimiter::keyed(per_identity.quota()),
+            known_sessions: moka::sync::Cache::builder().max_capacity(100_000).time_to_live(KNOWN_SESSION_TTL).build(),
+            drain_announced: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(DRAIN_ANNOUNCE_EVERY)
+                .build(),
+            drain_waiting: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(DRAIN_ANNOUNCE_EVERY * 5)
+                .build(),
+        }
+    }
+
+    /// A Run address's drain changed: when to have its status refreshed.
+    pub fn drain_announce(&self, address: &str) -> Announce {
+        if self.drain_announced.contains_key(address) {
+            if self.drain_waiting.contains_key(address) {
+                return Announce::Waiting;
+            }
+            self.drain_waiting.insert(address.to_string(), ());
+            return Announce::Later;
+        }
+        self.drain_announced.insert(address.to_string(), ());
+        Announce::Now
+    }
+
+    /// The waiting announcement of `address` is being made now.
+    pub fn drain_announced_late(&self, address: &str) {
+        self.drain_waiting.invalidate(address);
+        self.drain_announced.insert(address.to_string(), ());
+    }
+
+    /// Counts a request with a Run session token against its source address, unless the
+    /// token checked out lately (SPEC §12: the session routes are no way around the
+    /// per-address limit; a flood of made-up tokens is refused before its look-ups).
+    pub fn session_token(&self, token: &str, peer: Option<IpAddr>) -> Result<(), ApiError> {
+        if self.known_sessions.contains_key(&token_digest(token)) {
+            return Ok(());
+        }
+        self.unauthenticated(peer)
+    }
+
+    /// A session token checked out (`valid`), or was refused (not valid).
+    pub fn session_checked(&self, token: &str, valid: bool) {
+        if valid {
+            self.known_sessions.insert(token_digest(token), ());
+        } else {
+            self.known_sessions.invalidate(&token_digest(token));
         }
     }
 
@@ -85,6 +160,11 @@ impl Limits {
     pub fn tracked(&self) -> usize {
         self.per_address.len() + self.hellos.len() + self.per_identity.len()
     }
+}
+
+fn token_digest(token: &str) -> [u8; 32] {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(token.as_bytes()).into()
 }
 
 fn spend<K: std::hash::Hash + Eq + Clone>(
@@ -136,5 +216,30 @@ mod tests {
         assert!(limits.identity("system:serviceaccount:a:agent").is_ok());
         assert_eq!(limits.identity("system:serviceaccount:a:agent").expect_err("spent").code, "rate_limited");
         assert!(limits.identity("system:serviceaccount:b:agent").is_ok(), "another identity has its own bucket");
+
+        // Session tokens: unknown ones spend the address's bucket; one that checked out
+        // does not, until it is refused.
+        let d: IpAddr = "10.0.0.4".parse().expect("ip");
+        limits.session_checked("prs1.good", true);
+        for _ in 0..10 {
+            assert!(limits.session_token("prs1.good", Some(d)).is_ok());
+        }
+        for n in 0..3 {
+            assert!(limits.session_token(&format!("prs1.made-up-{n}"), Some(d)).is_ok());
+        }
+        assert!(limits.session_token("prs1.made-up-9", Some(d)).is_err(), "the address's burst is spent");
+        assert!(limits.session_token("prs1.good", Some(d)).is_ok(), "the known token is not charged");
+        limits.session_checked("prs1.good", false);
+        assert!(limits.session_token("prs1.good", Some(d)).is_err(), "refused once, it is charged again");
+
+        // Drain announcements: one now, one later for any number of changes meanwhile.
+        assert_eq!(limits.drain_announce("srv/run"), Announce::Now);
+        assert_eq!(limits.drain_announce("srv/run"), Announce::Later);
+        for _ in 0..10 {
+            assert_eq!(limits.drain_announce("srv/run"), Announce::Waiting);
+        }
+        assert_eq!(limits.drain_announce("srv/other"), Announce::Now, "each address its own");
+        limits.drain_announced_late("srv/run");
+        assert_eq!(limits.drain_announce("srv/run"), Announce::Later, "the late one started a new period");
     }
 }

@@ -2,6 +2,7 @@
 //! platform identities enqueue jobs and read safe status with Kubernetes tokens.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use axum::Json;
@@ -23,6 +24,7 @@ use super::docs::{
     Unavailable, UnsupportedMediaType,
 };
 use super::error::{ApiBody, ApiError, ApiJson, ApiPath, ApiQuery, ClientAddr};
+use super::limits::{Announce, DRAIN_ANNOUNCE_EVERY};
 use kube::Api;
 
 use crate::crd::RunSession;
@@ -65,9 +67,27 @@ fn session_token(headers: &HeaderMap) -> Result<&str, ApiError> {
     bearer(headers).ok_or_else(|| ApiError::unauthenticated("unauthenticated", "a session token is required"))
 }
 
-async fn authenticated(state: &AppState, headers: &HeaderMap) -> Result<(RunAddress, Session), ApiError> {
+/// The request's session token, once its address may spend a look-up on it (a token not
+/// seen valid lately is charged to the address: `Limits::session_token`).
+fn gated_session_token<'h>(
+    state: &AppState,
+    headers: &'h HeaderMap,
+    peer: Option<IpAddr>,
+) -> Result<&'h str, ApiError> {
     let token = session_token(headers)?;
-    match state.registry.session(token).await? {
+    state.limits.session_token(token, peer)?;
+    Ok(token)
+}
+
+async fn authenticated(
+    state: &AppState,
+    headers: &HeaderMap,
+    peer: Option<IpAddr>,
+) -> Result<(RunAddress, Session), ApiError> {
+    let token = gated_session_token(state, headers, peer)?;
+    let checked = state.registry.session(token).await?;
+    state.limits.session_checked(token, checked.is_ok());
+    match checked {
         Ok(s) => {
             super::record_caller(&format_args!("run:{}", s.0));
             Ok(s)
@@ -200,20 +220,36 @@ pub struct RunHeartbeatReply {
 )]
 pub async fn heartbeat(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiBody(body): ApiBody,
 ) -> Result<Json<RunHeartbeatReply>, ApiError> {
-    let token = session_token(&headers)?;
+    let token = gated_session_token(&state, &headers, peer)?;
     let body: Option<HeartbeatBody> = optional_json(&body)?;
     if let Some(b) = &body {
         b.check()?;
     }
     let (caps, cap, draining) = body.map(|b| (b.capabilities, b.capacity, b.draining)).unwrap_or_default();
     let renewal = Renewal { capabilities: caps.as_deref(), capacity: cap.as_ref(), draining };
-    match state.registry.renew(token, renewal).await? {
+    let renewed = state.registry.renew(token, renewal).await?;
+    state.limits.session_checked(token, renewed.is_ok());
+    match renewed {
         Ok(Renewed { address, lease }) => {
             if lease.drain_changed {
-                drain_changed_announce(&state, &address).await;
+                // Bounded: one status refresh per address per period, the latest state last.
+                let key = address.to_string();
+                match state.limits.drain_announce(&key) {
+                    Announce::Now => drain_changed_announce(&state, &address).await,
+                    Announce::Later => {
+                        let (state, address) = (state.clone(), address.clone());
+                        tokio::spawn(async move {
+                            tokio::time::sleep(DRAIN_ANNOUNCE_EVERY).await;
+                            state.limits.drain_announced_late(&key);
+                            drain_changed_announce(&state, &address).await;
+                        });
+                    }
+                    Announce::Waiting => {}
+                }
             }
             let cancel = state.registry.cancel_requested(&address, &lease).await?;
             let lease = (lease.lease_left.as_millis() as u64).div_ceil(1000);
@@ -727,13 +763,14 @@ pub struct Claimed {
 )]
 pub async fn claim(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiBody(body): ApiBody,
 ) -> Result<Json<Claimed>, ApiError> {
     let ask = ClaimBody::parse(&body)?;
     // No session (Redis down included) means no job is assigned.
     let started = std::time::Instant::now();
-    let (address, session) = authenticated(&state, &headers).await?;
+    let (address, session) = authenticated(&state, &headers, peer).await?;
     let claim = if ask.wait.is_zero() {
         let claim = state.registry.claim(&address, &session, ask.max).await?;
         state.metrics.claim_seconds.observe(started.elapsed().as_secs_f64());
@@ -896,13 +933,14 @@ impl CompleteBody {
 )]
 pub async fn ack(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiPath(id): ApiPath<String>,
     ApiBody(body): ApiBody,
 ) -> Result<Json<Job>, ApiError> {
     let id = job_id(&id)?;
     let attempt = AckBody::parse(&body)?;
-    job_step(&state, &headers, id, Step::Ack, attempt, None).await
+    job_step(&state, &headers, peer, id, Step::Ack, attempt, None).await
 }
 
 /// Report a job's progress
@@ -928,13 +966,14 @@ pub async fn ack(
 )]
 pub async fn progress(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiPath(id): ApiPath<String>,
     ApiBody(body): ApiBody,
 ) -> Result<Json<Job>, ApiError> {
     let id = job_id(&id)?;
     let (progress, attempt) = ProgressBody::parse(&body)?;
-    job_step(&state, &headers, id, Step::Progress, attempt, Some(progress)).await
+    job_step(&state, &headers, peer, id, Step::Progress, attempt, Some(progress)).await
 }
 
 /// Complete a job: succeeded or failed, with its result
@@ -960,13 +999,14 @@ pub async fn progress(
 )]
 pub async fn complete(
     State(state): State<Arc<AppState>>,
+    ClientAddr(peer): ClientAddr,
     headers: HeaderMap,
     ApiPath(id): ApiPath<String>,
     ApiBody(body): ApiBody,
 ) -> Result<Json<Job>, ApiError> {
     let id = job_id(&id)?;
     let (step, result, attempt) = CompleteBody::parse(&body)?;
-    let job = job_step(&state, &headers, id, step, attempt, Some(result)).await?;
+    let job = job_step(&state, &headers, peer, id, step, attempt, Some(result)).await?;
     state.metrics.attempts_ended(
         match job.state {
             JobState::Queued => "requeued",
@@ -987,12 +1027,13 @@ fn job_id(id: &str) -> Result<Uuid, ApiError> {
 async fn job_step(
     state: &AppState,
     headers: &HeaderMap,
+    peer: Option<IpAddr>,
     id: Uuid,
     step: Step,
     attempt: Option<i32>,
     value: Option<Value>,
 ) -> Result<Json<Job>, ApiError> {
-    let (address, session) = authenticated(state, headers).await?;
+    let (address, session) = authenticated(state, headers, peer).await?;
     match state.registry.step(&address, &session, id, &step, attempt, value.as_ref()).await? {
         Ok(job) => Ok(Json(job)),
         Err(StepError::Session(refused)) => Err(session_refused(refused)),
