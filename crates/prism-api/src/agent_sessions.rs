@@ -457,6 +457,19 @@ impl AgentService {
         Ok(nudges)
     }
 
+    /// Gives back nudges taken for a stream whose reader never took them.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
+    pub async fn return_nudges(
+        &self,
+        namespace: &str,
+        session_id: &str,
+        ids: &[uuid::Uuid],
+    ) -> Result<(), ElectionError> {
+        self.store.return_nudges(ids).await?;
+        self.signals.note_nudge(namespace, session_id);
+        Ok(())
+    }
+
     /// The routing table, with the change of the project it shows (a watch's event id).
     #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
     pub async fn routing_change(

@@ -215,6 +215,29 @@ impl Outbox {
         }
     }
 
+    /// `offer`, then waits until the reader has taken the event (handed it to the
+    /// connection): for what must not be lost to a stream that ends (a nudge, marked
+    /// delivered only once it is out). `Gone`: the reader went away before taking it.
+    pub async fn offer_taken(&self, event: Event) -> Result<(), Refused> {
+        self.offer(event).await?;
+        loop {
+            let taken = self.taken.notified();
+            {
+                let slot = self.slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                if slot.waiting.is_none() {
+                    return Ok(());
+                }
+                if slot.dropped {
+                    return Err(Refused::Gone);
+                }
+            }
+            tokio::select! {
+                _ = taken => {}
+                _ = self.closed() => {}
+            }
+        }
+    }
+
     /// Ends the stream after what is waiting, with `last` (an `error` event) if given.
     pub fn end(&self, last: Option<Event>) {
         let mut slot = self.slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -338,6 +361,27 @@ mod tests {
         drop(events);
         tokio::time::timeout(Duration::from_secs(1), outbox.closed()).await.expect("the reader's going is seen");
         assert_eq!(outbox.offer(Event::default().data("x")).await, Err(Refused::Gone));
+    }
+
+    #[tokio::test]
+    async fn an_event_offered_to_be_taken_is_told_whether_the_reader_took_it() {
+        let (outbox, events) = Outbox::new();
+        let mut events = Box::pin(events);
+        let reading = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let got = format!("{:?}", events.next().await.expect("some").expect("ok"));
+            (got, events)
+        });
+        outbox.offer_taken(Event::default().data("nudge")).await.expect("taken");
+        let (got, events) = reading.await.expect("reader");
+        assert!(got.contains("data: nudge"), "{got}");
+        // A reader that goes away without taking it: Gone, so the sender can give it back.
+        let dropping = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            drop(events);
+        });
+        assert_eq!(outbox.offer_taken(Event::default().data("lost?")).await, Err(Refused::Gone));
+        dropping.await.expect("dropped");
     }
 
     #[tokio::test(start_paused = true)]

@@ -245,12 +245,18 @@ impl Watch {
                 return Ok(());
             }
         };
-        for nudge in nudges {
+        for (n, nudge) in nudges.iter().enumerate() {
             let event = Event::default()
                 .event("nudge")
-                .json_data(&nudge)
+                .json_data(nudge)
                 .map_err(|e| End::Because(ApiError::internal("watch: nudge event", e)))?;
-            if self.outbox.offer(event).await.is_err() {
+            // Marked delivered when taken; one the stream could not hand out (its reader
+            // left, or fell behind) is given back for the session's next answer.
+            if self.outbox.offer_taken(event).await.is_err() {
+                let left: Vec<uuid::Uuid> = nudges[n..].iter().map(|m| m.id).collect();
+                if let Err(error) = self.state.agents.return_nudges(ns, session_id, &left).await {
+                    warn!(namespace = %ns, %error, "watch: nudges not delivered could not be given back");
+                }
                 return Err(End::Quietly);
             }
         }

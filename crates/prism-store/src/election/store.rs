@@ -389,6 +389,19 @@ impl ElectionStore {
         .step("take the session's nudges")?)
     }
 
+    /// Nudges taken for a stream that ended before its reader took them: undelivered
+    /// again, so the session's next answer or watch has them (SPEC §11: delivered once,
+    /// and never lost to a stream that dropped).
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
+    pub async fn return_nudges(&self, ids: &[Uuid]) -> Result<(), ElectionError> {
+        sqlx::query("UPDATE nudges SET delivered_at = NULL WHERE id = ANY($1) AND delivered_at IS NOT NULL")
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .step("return nudges a stream did not deliver")?;
+        Ok(())
+    }
+
     /// Registrations of a project released by the stale sweep since `since`.
     #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn recently_stale(
