@@ -473,14 +473,19 @@ impl ElectionStore {
         Err(ElectionError::Contended("register"))
     }
 
-    /// Live registrations the owner holds now.
+    /// Live registrations the owner holds now, counted up to its quota (a registration's
+    /// cost does not grow with how many live ones there are beyond what the quota allows).
     #[tracing::instrument(level = "debug", skip_all, fields(store = "election"))]
     pub async fn owned_live(&self, owner: &str) -> Result<i64, ElectionError> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM controller_registrations WHERE owner = $1 AND released_at IS NULL")
-            .bind(owner)
-            .fetch_one(&self.pool)
-            .await
-            .step("quota: count the owner's live registrations")?)
+        Ok(sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT 1 FROM controller_registrations
+                                    WHERE owner = $1 AND released_at IS NULL LIMIT $2) AS held",
+        )
+        .bind(owner)
+        .bind(i64::from(self.quotas.per_owner))
+        .fetch_one(&self.pool)
+        .await
+        .step("quota: count the owner's live registrations")?)
     }
 
     /// Would one more registration of `owner` in `namespace` exceed a quota? (The cheap
@@ -500,10 +505,13 @@ impl ElectionStore {
         let held = match self.namespace_counts.get(namespace) {
             Some(n) => n,
             None => {
+                // Counted up to the quota: a full namespace costs the quota's entries, no more.
                 let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND released_at IS NULL",
+                    "SELECT count(*) FROM (SELECT 1 FROM controller_registrations
+                                            WHERE namespace = $1 AND released_at IS NULL LIMIT $2) AS held",
                 )
                 .bind(namespace)
+                .bind(i64::from(self.quotas.per_namespace))
                 .fetch_one(&self.pool)
                 .await
                 .step("quota: count the namespace's live registrations")?;
@@ -871,13 +879,16 @@ async fn check_owner_quota(
         .execute(&mut **tx)
         .await
         .step("quota: lock the owner")?;
+    // Counted up to the quota, not every live registration of the owner.
     let held: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM controller_registrations
-         WHERE owner = $1 AND released_at IS NULL AND NOT (namespace = $2 AND session_id = $3)",
+        "SELECT count(*) FROM (SELECT 1 FROM controller_registrations
+                                WHERE owner = $1 AND released_at IS NULL AND NOT (namespace = $2 AND session_id = $3)
+                                LIMIT $4) AS held",
     )
     .bind(owner)
     .bind(&new.namespace)
     .bind(&new.session_id)
+    .bind(i64::from(max))
     .fetch_one(&mut **tx)
     .await
     .step("quota: count the owner's live registrations")?;
