@@ -132,8 +132,9 @@ pub struct UnsupportedMediaType(ErrorBody);
 #[allow(dead_code)]
 pub struct Invalid(ErrorBody);
 
-/// `rate_limited`: too many requests that cost the operator a TokenReview or a hello
-/// from this address (or hellos for this Run identity); `quota_exceeded`: the caller, or
+/// `rate_limited`: too many requests that cost the operator a TokenReview, a hello or the
+/// look-up of a session token not seen lately from this address (or hellos for this Run
+/// identity, or calls of this Kubernetes identity); `quota_exceeded`: the caller, or
 /// the namespace, holds as many live registrations (or the namespace as many queued
 /// jobs) as its quota allows; `too_many_streams`: the caller holds as many watches, MCP
 /// streams and long-poll claims as it may. `Retry-After` says when to try again.

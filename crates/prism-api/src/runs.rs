@@ -214,6 +214,7 @@ pub struct RunHeartbeatReply {
         (status = 401, response = Unauthenticated),
         (status = 413, response = TooLarge),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -927,6 +928,7 @@ impl CompleteBody {
         (status = 404, response = NotFound),
         (status = 409, response = Conflict),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -960,6 +962,7 @@ pub async fn ack(
         (status = 409, response = Conflict),
         (status = 413, response = TooLarge),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
@@ -993,6 +996,7 @@ pub async fn progress(
         (status = 409, response = Conflict),
         (status = 413, response = TooLarge),
         (status = 422, response = Invalid),
+        (status = 429, response = TooManyRequests),
         (status = 500, response = Internal),
         (status = 503, response = Unavailable),
     )
