@@ -456,11 +456,12 @@ async fn run_process(server: String, key: ed25519_dalek::SigningKey, kill: Arc<A
                         Err(e) => {
                             tally.count(&format!("run {action}"), &refusal_outcome(&e));
                             // A claim older than the visibility timeout went back to the
-                            // queue: the job is someone else's turn now.
+                            // queue: the job is another attempt's now, and this attempt's
+                            // steps are stale (SPEC §12).
                             // (A slow job's attempt outlives its 1 s deadline: queued again.)
                             let expired = (claimed.elapsed() >= Duration::from_secs(VISIBILITY_SECONDS - 1)
                                 || mode == JobMode::Slow)
-                                && matches!(&e, ClientError::Refused { status: 409, code, .. } if code == "invalid_state");
+                                && matches!(&e, ClientError::Refused { status: 409, code, .. } if code == "stale_attempt" || code == "invalid_state");
                             // Ended under it: cancelled past its grace, a deadline passed,
                             // its term moved on, or the visibility timeout ended it for good.
                             let finished = matches!(&e, ClientError::Refused { status: 409, code, .. } if code == "job_finished" || code == "deadline_exceeded")
@@ -677,6 +678,11 @@ async fn the_fault_harness() {
         // as wide (tests/hostile.rs proves the rate limit).
         ("PRISM_RATE_PER_IDENTITY", "1000000".to_string()),
         ("PRISM_BURST_PER_IDENTITY", "10000000".to_string()),
+        // And every agent and Run of the load calls from 127.0.0.1: the per-address budget
+        // of unauthenticated work (new tokens, hellos, a Run's new session token) is opened
+        // as wide, where each would have its own address.
+        ("PRISM_UNAUTHENTICATED_RATE", "100000".to_string()),
+        ("PRISM_UNAUTHENTICATED_BURST", "100000".to_string()),
         ("PRISM_MCP_SESSION_KEY", mcp_key),
         ("RUST_LOG", "info".to_string()),
     ];
