@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::counts::rss_mib;
-use common::measure::{Target, Window, interleave, judged, percentile, rounds, spread, window};
+use common::measure::{Target, interleave, judged, rounds, spread, window};
 use futures::FutureExt;
 use prism_operator::run_client::{self, RunClient};
 use serde_json::json;
@@ -102,30 +102,17 @@ async fn forged_hellos(base: String, server: String, attack: Arc<Attack>) {
     }
 }
 
-fn p99_ms(windows: &[Window]) -> Vec<f64> {
-    windows
-        .iter()
-        .map(|w| {
-            let ms: Vec<f64> = w.latencies.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
-            percentile(&ms, 0.99)
-        })
-        .collect()
-}
-
 #[tokio::main]
 async fn main() {
     let w = support::runs::RunWorld::start(
         "benchabuse",
-        &[
+        &common::open_limits(&[
             ("RUST_LOG", "warn"),
             ("PRISM_MAX_STREAMS_PER_IDENTITY", "1000"),
             ("PRISM_UNAUTHENTICATED_RATE", "100000"),
             ("PRISM_UNAUTHENTICATED_BURST", "100000"),
             ("PRISM_MAX_SESSIONS_PER_IDENTITY", "100000"),
-            common::UNTHROTTLED_RATE,
-            common::UNTHROTTLED_BURST,
-            common::UNCAPPED_ADDRESS,
-        ],
+        ]),
     )
     .await;
     let (cp, ns, op) = (w.cp, w.ns.clone(), &w.op);
@@ -146,21 +133,8 @@ async fn main() {
         WINDOW.as_secs()
     );
     let http = support::http();
-    let heartbeat = {
-        let (h, url, tok, ns) = (http.clone(), op.url("/api/v1/controller/heartbeat"), agent.clone(), ns.clone());
-        move |i: usize, _n: u64| {
-            let (h, url, tok, ns) = (h.clone(), url.clone(), tok.clone(), ns.clone());
-            async move {
-                let r = h
-                    .post(url)
-                    .bearer_auth(tok)
-                    .json(&json!({"namespace": ns, "session_id": format!("hb-{i}")}))
-                    .send()
-                    .await;
-                matches!(r, Ok(r) if r.status().is_success())
-            }
-        }
-    };
+    let heartbeat =
+        common::heartbeat_op(http.clone(), op.url("/api/v1/controller/heartbeat"), agent.clone(), ns.clone());
     assert!(heartbeat(0, 0).await, "the agent's heartbeat works");
 
     let attacks: Vec<Arc<Attack>> = (0..rounds()).map(|_| Arc::new(Attack::default())).collect();
@@ -246,12 +220,7 @@ async fn main() {
         .boxed()
     })
     .await;
-    let quiet = p99_ms(&sides[0]);
-    let attacked = p99_ms(&sides[1]);
-    println!("heartbeat p99, quiet      {} ms", spread(&quiet, 2));
-    println!("heartbeat p99, attacked   {} ms", spread(&attacked, 2));
-    let ratios: Vec<f64> = attacked.iter().zip(&quiet).map(|(a, q)| a / q.max(f64::MIN_POSITIVE)).collect();
-    println!("attacked / quiet          {}", judged(&ratios, 2, Target::AtMost(2.0)));
+    common::print_attacked_vs_quiet(&sides);
     let quiet_rss = quiet_rss.lock().map(|q| q.clone()).unwrap_or_default();
     let peaks: Vec<f64> = attacks.iter().map(|a| a.rss_peak_mib.load(Ordering::Relaxed) as f64).collect();
     let growth: Vec<f64> = peaks.iter().zip(&quiet_rss).map(|(p, q)| p - q).collect();

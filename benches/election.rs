@@ -194,13 +194,7 @@ async fn bench_heartbeats(
     raw_db: &support::TestDb,
 ) {
     let ns = support::namespace(client, "benchhb").await;
-    let op = support::Operator::start(
-        cp,
-        &db.url,
-        &ns,
-        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST, common::UNCAPPED_ADDRESS],
-    )
-    .await;
+    let op = support::Operator::start(cp, &db.url, &ns, &common::open_limits(&[("RUST_LOG", "warn")])).await;
     let token = support::agent_token(cp, &ns, "bench", &["create"]).await;
     for i in 0..CONCURRENCY {
         support::register(&op, &token, &ns, "HB", &format!("hb-{i}"), "claude_code").await;
@@ -319,16 +313,9 @@ async fn convergence_rounds(
     for round in 1..=rounds() {
         // Each round's namespace and operator end with it.
         all.push(
-            converge::convergence(
-                cp,
-                client,
-                &db.url,
-                1000,
-                &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST, common::UNCAPPED_ADDRESS],
-                round,
-            )
-            .await
-            .0,
+            converge::convergence(cp, client, &db.url, 1000, &common::open_limits(&[("RUST_LOG", "warn")]), round)
+                .await
+                .0,
         );
     }
     let ratio: Vec<f64> = all.iter().map(|c| c.ratio).collect();

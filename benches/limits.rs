@@ -16,9 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::measure::{Target, Window, interleave, judged, percentile, rounds, spread, window};
+use common::measure::{Window, interleave, rounds, window};
 use futures::FutureExt;
-use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Slow-header connections held open at once during an attack window.
@@ -124,29 +123,13 @@ async fn probe(http: reqwest::Client, url: String, attack: Arc<Attack>, stop: Ar
     }
 }
 
-fn p99_ms(windows: &[Window]) -> Vec<f64> {
-    windows
-        .iter()
-        .map(|w| {
-            let ms: Vec<f64> = w.latencies.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
-            percentile(&ms, 0.99)
-        })
-        .collect()
-}
-
 #[tokio::main]
 async fn main() {
     let db = support::TestDb::new().await;
     let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "benchlimits").await;
-    let op = support::Operator::start(
-        cp,
-        &db.url,
-        &ns,
-        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST, common::UNCAPPED_ADDRESS],
-    )
-    .await;
+    let op = support::Operator::start(cp, &db.url, &ns, &common::open_limits(&[("RUST_LOG", "warn")])).await;
     let token = support::agent_token(cp, &ns, "agent", &["create", "list"]).await;
     for i in 0..AGENTS {
         support::register(&op, &token, &ns, "HB", &format!("hb-{i}"), "claude_code").await;
@@ -159,21 +142,8 @@ async fn main() {
         WINDOW.as_secs()
     );
     let http = support::http();
-    let heartbeat = {
-        let (h, url, tok, ns) = (http.clone(), op.url("/api/v1/controller/heartbeat"), token.clone(), ns.clone());
-        move |i: usize, _n: u64| {
-            let (h, url, tok, ns) = (h.clone(), url.clone(), tok.clone(), ns.clone());
-            async move {
-                let r = h
-                    .post(url)
-                    .bearer_auth(tok)
-                    .json(&json!({"namespace": ns, "session_id": format!("hb-{i}")}))
-                    .send()
-                    .await;
-                matches!(r, Ok(r) if r.status().is_success())
-            }
-        }
-    };
+    let heartbeat =
+        common::heartbeat_op(http.clone(), op.url("/api/v1/controller/heartbeat"), token.clone(), ns.clone());
     assert!(heartbeat(0, 0).await, "the agent's heartbeat works");
 
     let attacks: Vec<Arc<Attack>> = (0..rounds()).map(|_| Arc::new(Attack::default())).collect();
@@ -209,12 +179,7 @@ async fn main() {
         .boxed()
     })
     .await;
-    let quiet = p99_ms(&sides[0]);
-    let attacked = p99_ms(&sides[1]);
-    println!("heartbeat p99, quiet      {} ms", spread(&quiet, 2));
-    println!("heartbeat p99, attacked   {} ms", spread(&attacked, 2));
-    let ratios: Vec<f64> = attacked.iter().zip(&quiet).map(|(a, q)| a / q.max(f64::MIN_POSITIVE)).collect();
-    println!("attacked / quiet          {}", judged(&ratios, 2, Target::AtMost(2.0)));
+    common::print_attacked_vs_quiet(&sides);
     let calls = |w: &[Window]| w.iter().map(|w| w.ops).sum::<u64>();
     let failed = |w: &[Window]| w.iter().map(|w| w.stopped).sum::<usize>();
     println!(

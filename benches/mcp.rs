@@ -43,13 +43,7 @@ async fn main() {
     let cp = support::control_plane().await;
     let client = cp.client().await;
     let ns = support::namespace(&client, "benchmcp").await;
-    let op = support::Operator::start(
-        cp,
-        &db.url,
-        &ns,
-        &[("RUST_LOG", "warn"), common::UNTHROTTLED_RATE, common::UNTHROTTLED_BURST, common::UNCAPPED_ADDRESS],
-    )
-    .await;
+    let op = support::Operator::start(cp, &db.url, &ns, &common::open_limits(&[("RUST_LOG", "warn")])).await;
     let token = support::agent_token(cp, &ns, "bench", &["create"]).await;
     let http = support::http();
     println!(

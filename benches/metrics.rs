@@ -140,14 +140,7 @@ async fn main() {
         cp,
         &db.url,
         &ns,
-        &[
-            ("REDIS_URL", &redis.url),
-            ("PRISM_REDIS_PREFIX", &prefix),
-            ("RUST_LOG", "warn"),
-            common::UNTHROTTLED_RATE,
-            common::UNTHROTTLED_BURST,
-            common::UNCAPPED_ADDRESS,
-        ],
+        &common::open_limits(&[("REDIS_URL", &redis.url), ("PRISM_REDIS_PREFIX", &prefix), ("RUST_LOG", "warn")]),
     )
     .await;
     let nodes: Vec<String> = redis.url.split(',').map(str::to_string).collect();

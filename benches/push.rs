@@ -168,16 +168,13 @@ async fn main() {
         cp,
         &db.url,
         &ns,
-        &[
+        &common::open_limits(&[
             ("REDIS_URL", &redis.url),
             ("PRISM_REDIS_PREFIX", &prefix),
             ("RUST_LOG", "warn"),
-            common::UNTHROTTLED_RATE,
-            common::UNTHROTTLED_BURST,
-            common::UNCAPPED_ADDRESS,
             ("PRISM_MAX_CONNECTIONS", "20000"),
             ("PRISM_API_DB_CONNECTIONS", "20"),
-        ],
+        ]),
     )
     .await;
     let api: Api<RunSession> = Api::namespaced(client.clone(), &ns);

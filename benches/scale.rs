@@ -175,15 +175,12 @@ async fn scale(cp: &'static support::ControlPlane, client: &kube::Client, n: usi
     let log = std::env::var("BENCH_OPERATOR_LOG").unwrap_or_else(|_| "warn".into());
     // All N registrations live in one namespace: its quota (default 10,000) is raised to N.
     let quota = n.max(10_000).to_string();
-    let env = [
+    let env = common::open_limits(&[
         ("REDIS_URL", redis.url.as_str()),
         ("PRISM_REDIS_PREFIX", prefix.as_str()),
         ("RUST_LOG", log.as_str()),
         ("PRISM_MAX_SESSIONS_PER_NAMESPACE", quota.as_str()),
-        common::UNTHROTTLED_RATE,
-        common::UNTHROTTLED_BURST,
-        common::UNCAPPED_ADDRESS,
-    ];
+    ]);
     let line = |figure: &str, values: &[f64]| println!("{}", scale_line(n, figure, values));
     println!("== N = {n}: {n} registrations over {projects} projects, {n} RunSessions and Runs; {r} rounds");
 

@@ -45,6 +45,7 @@ pub mod health;
 pub mod limits;
 pub mod mcp;
 pub mod runs;
+pub mod shares;
 pub mod streams;
 pub mod strict;
 pub mod watch;

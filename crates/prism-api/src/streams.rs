@@ -11,7 +11,6 @@
 //!   gives the reader `READER_GRACE` to take the first (events made together, such as a
 //!   table and a nudge, do not reset a reader that keeps up).
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -24,6 +23,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::sync::Notify;
 
 use super::ApiError;
+use crate::shares::Shares;
 
 /// Whose held requests a stream counts against.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -36,14 +36,16 @@ pub enum Holder {
 
 /// The held streams of this replica, by holder.
 pub struct Streams {
-    per_caller: usize,
     lifetime: Duration,
-    held: Mutex<HashMap<Holder, usize>>,
+    held: Arc<Shares<Holder>>,
 }
+
+/// A held request's place; given back when dropped.
+pub type Permit = crate::shares::Share<Holder>;
 
 impl Streams {
     pub fn new(per_caller: usize, lifetime: Duration) -> Arc<Self> {
-        Arc::new(Streams { per_caller: per_caller.max(1), lifetime, held: Mutex::new(HashMap::new()) })
+        Arc::new(Streams { lifetime, held: Shares::new(per_caller) })
     }
 
     /// How long one stream may live (`PRISM_MAX_STREAM_SECONDS`).
@@ -53,51 +55,29 @@ impl Streams {
 
     /// One more held request of `holder`, or 429 `too_many_streams` when it holds its
     /// share already. The permit gives the place back when dropped.
-    pub fn hold(self: &Arc<Self>, holder: Holder) -> Result<Permit, ApiError> {
-        let mut held = self.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let n = held.entry(holder.clone()).or_insert(0);
-        if *n >= self.per_caller {
+    pub fn hold(&self, holder: Holder) -> Result<Permit, ApiError> {
+        self.held.take(holder).ok_or_else(|| {
             let refused = ApiError::new(
                 axum::http::StatusCode::TOO_MANY_REQUESTS,
                 "too_many_streams",
                 format!(
                     "this caller holds {} streams (watches, MCP streams and listens, long-poll claims) already \
                      (PRISM_MAX_STREAMS_PER_IDENTITY); end one first",
-                    self.per_caller
+                    self.held.per_key()
                 ),
             );
-            return Err(ApiError { retry_after: Some(Duration::from_secs(1)), ..refused });
-        }
-        *n += 1;
-        Ok(Permit { streams: self.clone(), holder })
+            ApiError { retry_after: Some(Duration::from_secs(1)), ..refused }
+        })
     }
 
     /// Streams held by `holder` now.
     pub fn held_by(&self, holder: &Holder) -> usize {
-        self.held.lock().map(|h| h.get(holder).copied().unwrap_or(0)).unwrap_or(0)
+        self.held.held_by(holder)
     }
 
     /// Holders with a stream now (the map never keeps one that holds none).
     pub fn holders(&self) -> usize {
-        self.held.lock().map(|h| h.len()).unwrap_or(0)
-    }
-}
-
-/// A held request's place; given back when dropped.
-pub struct Permit {
-    streams: Arc<Streams>,
-    holder: Holder,
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        let mut held = self.streams.held.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(n) = held.get_mut(&self.holder) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                held.remove(&self.holder);
-            }
-        }
+        self.held.keys()
     }
 }
 
@@ -312,12 +292,10 @@ mod tests {
         let _b = streams.hold(alice.clone()).expect("second");
         let refused = streams.hold(alice.clone()).err().expect("third refused");
         assert_eq!((refused.status.as_u16(), refused.code), (429, "too_many_streams"));
+        assert!(refused.retry_after.is_some(), "with Retry-After");
         assert!(streams.hold(Holder::RunSession(uuid::Uuid::nil())).is_ok(), "another holder has its own share");
         drop(a);
-        assert_eq!(streams.held_by(&alice), 1);
-        let _c = streams.hold(alice.clone()).expect("a place came back");
-        drop((_b, _c));
-        assert_eq!(streams.holders(), 0, "a holder with none held is forgotten");
+        assert!(streams.hold(alice).is_ok(), "a place came back");
     }
 
     #[tokio::test]

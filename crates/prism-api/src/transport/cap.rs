@@ -10,7 +10,6 @@
 //! replicas) retries at once, against another replica when there is one, and the
 //! process's file descriptors and memory stay bounded whatever the peer does.
 
-use std::collections::HashMap;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -24,6 +23,8 @@ use futures::future::BoxFuture;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::warn;
+
+use crate::shares::Shares;
 
 /// At most one warning per this long while connections are being refused.
 const WARN_EVERY: Duration = Duration::from_secs(10);
@@ -45,51 +46,18 @@ pub struct ConnectionCap<A> {
     inner: A,
     permits: Arc<Semaphore>,
     max: usize,
-    shares: Arc<Shares>,
+    shares: Arc<Shares<IpAddr>>,
     refused: Arc<Refusals>,
 }
 
-/// Connections open per source address, and the most one may hold.
-struct Shares {
-    per_address: usize,
-    open: Mutex<HashMap<IpAddr, usize>>,
-}
-
-impl Shares {
-    fn take(self: &Arc<Self>, ip: IpAddr) -> Option<AddressPermit> {
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let n = open.entry(ip).or_insert(0);
-        if *n >= self.per_address {
-            return None;
-        }
-        *n += 1;
-        Some(AddressPermit { shares: self.clone(), ip })
-    }
-}
-
 /// One connection's place in its address's share; given back when dropped.
-pub struct AddressPermit {
-    shares: Arc<Shares>,
-    ip: IpAddr,
-}
-
-impl Drop for AddressPermit {
-    fn drop(&mut self) {
-        let mut open = self.shares.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = open.get_mut(&self.ip) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                open.remove(&self.ip);
-            }
-        }
-    }
-}
+pub type AddressPermit = crate::shares::Share<IpAddr>;
 
 impl<A> ConnectionCap<A> {
     /// `per_address`: the most connections one source address holds (at most `max`).
     pub fn new(inner: A, max: usize, per_address: usize) -> Self {
         let max = max.clamp(1, Semaphore::MAX_PERMITS);
-        let shares = Arc::new(Shares { per_address: per_address.clamp(1, max), open: Mutex::default() });
+        let shares = Shares::new(per_address.clamp(1, max));
         ConnectionCap { inner, permits: Arc::new(Semaphore::new(max)), max, shares, refused: Arc::default() }
     }
 }
@@ -112,10 +80,10 @@ where
                 Some(permit) => Some(permit),
                 None => {
                     drop(stream);
-                    self.refused.note(self.max, Some(self.shares.per_address));
+                    self.refused.note(self.max, Some(self.shares.per_key()));
                     return Box::pin(std::future::ready(Err(io::Error::other(format!(
                         "connection refused: this address holds {} connections (PRISM_MAX_CONNECTIONS_PER_ADDRESS)",
-                        self.shares.per_address
+                        self.shares.per_key()
                     )))));
                 }
             },
