@@ -146,6 +146,10 @@ pub async fn hello(
     state.limits.proven_hello(&format!("{}/{}", address.server_instance_id, address.component_kind))?;
     match state.registry.open(proven).await? {
         Ok((identity, granted)) => {
+            // The new token was just proven: its calls are not charged to the address (a
+            // Run saying hello again after an outage is served at once, even while a flood
+            // of dead tokens from its address spends the address's budget).
+            state.limits.session_checked(&granted.session_token, true);
             // The session is granted whatever happens next; a lost signal only delays
             // `Online` in status until the reconciler's own requeue.
             if let Err(error) = state.registry.announce_status(&identity.spec).await {
