@@ -505,13 +505,12 @@ impl ElectionStore {
         let held = match self.namespace_counts.get(namespace) {
             Some(n) => n,
             None => {
-                // Counted up to the quota: a full namespace costs the quota's entries, no more.
+                // The count a trigger keeps (at most 64 shard rows): a registration's cost
+                // does not grow with how many are live.
                 let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM (SELECT 1 FROM controller_registrations
-                                            WHERE namespace = $1 AND released_at IS NULL LIMIT $2) AS held",
+                    "SELECT coalesce(sum(live), 0)::int8 FROM controller_registration_counts WHERE namespace = $1",
                 )
                 .bind(namespace)
-                .bind(i64::from(self.quotas.per_namespace))
                 .fetch_one(&self.pool)
                 .await
                 .step("quota: count the namespace's live registrations")?;
