@@ -17,6 +17,7 @@ use crate::crd::{
 };
 use crate::db::retry_unavailable;
 use crate::election::heartbeat::HeartbeatCoalescer;
+use crate::election::shared_reads::{self, SharedReads};
 use crate::election::store::Nudge;
 use crate::election::{
     ElectionError, ElectionStore, LiveRole, NewRegistration, OwnedRegistration, RegisterOutcome, Registration,
@@ -157,7 +158,15 @@ pub struct AgentService {
     pub heartbeats: HeartbeatCoalescer,
     /// Which sessions may have a nudge (answers read `nudges` only for those).
     pub signals: crate::signals::Signals,
+    /// A project's routing reads asked for at once, made once: every watch and MCP
+    /// subscription of a project is woken by the same change and reads the same table
+    /// (1,000 watches of a busy project made 1,000 reads of it per change).
+    routing_reads: SharedReads<(String, String), RoutingRead>,
 }
+
+/// What a routing table is made of: the project's live registrations and term, and its
+/// recently stale ones (the caller's own entry is picked from the first).
+type RoutingRead = (crate::election::ProjectView, Vec<Registration>);
 
 /// A readable, valid resource name for a registration: the project id folded to a DNS
 /// label, plus a random suffix from the API server (generateName).
@@ -205,7 +214,7 @@ impl AgentService {
         heartbeats: HeartbeatCoalescer,
         signals: crate::signals::Signals,
     ) -> Self {
-        Self { client, store, heartbeats, signals }
+        Self { client, store, heartbeats, signals, routing_reads: SharedReads::new(shared_reads::GATHER) }
     }
 
     /// Registers the session for the project on behalf of `caller` (the Kubernetes
@@ -478,8 +487,15 @@ impl AgentService {
         project_id: &str,
         session_id: Option<&str>,
     ) -> Result<RoutingChange, ElectionError> {
-        let view = self.store.project(namespace, project_id).await?;
-        let stale = self.store.recently_stale(namespace, project_id, Utc::now() - STALE_WINDOW).await?;
+        let key = (namespace.to_string(), project_id.to_string());
+        let (view, stale) = self
+            .routing_reads
+            .read(key, || async {
+                let view = self.store.project(namespace, project_id).await?;
+                let stale = self.store.recently_stale(namespace, project_id, Utc::now() - STALE_WINDOW).await?;
+                Ok::<_, ElectionError>((view, stale))
+            })
+            .await?;
         let id = ChangeId { term: view.term, seq: view.changes };
         let table = RoutingTable {
             project_id: project_id.to_string(),
