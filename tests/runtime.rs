@@ -831,3 +831,59 @@ async fn a_draining_that_is_not_a_boolean_is_refused_and_changes_nothing() {
     let still = phase(&w.api, "srv-x-run", RunPhase::Draining, 5).await;
     assert_eq!(draining_condition(&still).map(|c| c.1), Some("RunDraining".into()));
 }
+
+/// Every key of `address` ("srv/run") on any master of the world's Redis, as DUMP gives
+/// it, with its time to live.
+async fn redis_keys_of(w: &World, address: &str) -> Vec<(u16, String, Vec<u8>, i64)> {
+    let mut saved = Vec::new();
+    for port in w.redis.masters().await {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("redis url");
+        let mut conn = client.get_multiplexed_async_connection().await.expect("connect to a master");
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(format!("*{address}*")).query_async(&mut conn).await.expect("keys");
+        for key in keys {
+            let data: Vec<u8> = redis::cmd("DUMP").arg(&key).query_async(&mut conn).await.expect("dump");
+            let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.expect("pttl");
+            saved.push((port, key, data, ttl.max(0)));
+        }
+    }
+    saved
+}
+
+/// SPEC §12, revocations are level-triggered: a session of a rotated key is refused at
+/// its heartbeat even where Redis never heard of the rotation — the fence write failed,
+/// or a failover or restore lost it — not only once the next reconcile's fence gets
+/// through. (Before, such a session heartbeated on, and its RunSession showed Online.)
+#[tokio::test]
+async fn a_rotated_keys_session_is_refused_even_where_redis_lost_the_fence() {
+    let w = world("fence", &[]).await;
+    let mut run = w.run("srv-f-run", "srv-f", None).await;
+    run.hello().await.expect("hello");
+    run.heartbeat().await.expect("heartbeat");
+    // What Redis holds of the address in the old key's epoch, to put back later.
+    let before = redis_keys_of(&w, "srv-f/run").await;
+    assert!(!before.is_empty(), "the session is in Redis");
+
+    let (_, new_public) = run_client::new_key().expect("key");
+    let patch = json!({"spec": {"credential": {"publicKey": new_public, "generation": 2}}});
+    w.api.patch("srv-f-run", &PatchParams::default(), &Patch::Merge(&patch)).await.expect("rotate");
+    eventually(10, "the fence ended the old key's session", || async { run.heartbeat().await.err() }).await;
+
+    // Redis forgets the fence: the old session and epoch are back, as after a failover to
+    // a replica the fence never reached.
+    for (port, key, data, ttl) in &before {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("redis url");
+        let mut conn = client.get_multiplexed_async_connection().await.expect("connect to a master");
+        let _: () = redis::cmd("RESTORE")
+            .arg(key)
+            .arg(*ttl)
+            .arg(data.as_slice())
+            .arg("REPLACE")
+            .query_async(&mut conn)
+            .await
+            .expect("restore");
+    }
+    let refused = run.heartbeat().await.expect_err("a session of the rotated key");
+    assert_eq!(code(&refused), "session_expired");
+    assert_eq!(code(&run.heartbeat().await.expect_err("still")), "session_expired");
+}

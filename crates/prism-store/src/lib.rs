@@ -11,6 +11,7 @@ pub mod run_registry;
 // What MCP sessions keep: the key that signs their ids, the resources they follow.
 pub mod mcp_store;
 // "Refresh these statuses" (the sending half) and what a replica hears of change on any.
+pub mod identity_epochs;
 pub mod refresh;
 pub mod signals;
 // A JSON integer read exactly, as the wire format's numbers are.

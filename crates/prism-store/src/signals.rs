@@ -15,6 +15,10 @@
 //!   their answers (heartbeat, status, MCP calls, watches) read the `nudges` table only
 //!   for those: the coalesced agent heartbeat stays free of Postgres.
 //!
+//! * **Identity epochs.** The newest epoch of each Run address (`identity_epochs`), so
+//!   that a heartbeat refuses a session of a rotated or revoked key even while Redis
+//!   does not know it. Read whole at each (re)connection; kept, not forgotten, while
+//!   not listening (it only ever refuses what is older than something true).
 //! * **MCP subscriptions.** The GET stream of a session-based MCP session waits on the
 //!   session: a `resources/subscribe` or `unsubscribe` made through any replica wakes it
 //!   to read what the session follows again.
@@ -42,6 +46,7 @@ use tokio::sync::futures::Notified;
 use tracing::{debug, warn};
 
 use crate::election::LiveRoles;
+use crate::identity_epochs::IdentityEpochs;
 use crate::run_registry::RunAddress;
 
 /// A job in flight got a cancel request (migration `20261202000004_cancel_signal.sql`).
@@ -55,6 +60,8 @@ pub const NUDGES: &str = "prism_nudges";
 /// An MCP session's subscriptions changed (`api::mcp::subscriptions`); the payload is
 /// the session's digest.
 pub const MCP_SUBSCRIPTIONS: &str = "prism_mcp_subscriptions";
+/// A Run identity took a new epoch (`20261206000007_identity_epoch_signal.sql`).
+pub const IDENTITY_EPOCHS: &str = "prism_identity_epochs";
 /// Addresses whose cancels are all done are forgotten this often.
 pub const RESCAN_EVERY: Duration = Duration::from_secs(30);
 /// A wake at a job's `eligible_at` further off than this is not scheduled: the job's
@@ -69,6 +76,14 @@ struct JobSignal {
     component_kind: String,
     #[serde(default)]
     eligible_at: Option<f64>,
+}
+
+/// The payload of an identity's new epoch.
+#[derive(Debug, Deserialize)]
+struct EpochSignal {
+    server_instance_id: String,
+    component_kind: String,
+    epoch: i64,
 }
 
 impl JobSignal {
@@ -103,6 +118,7 @@ struct Inner {
     runs: Arc<Waiters<RunAddress>>,
     projects: Arc<Waiters<ProjectKey>>,
     mcp_sessions: Arc<Waiters<String>>,
+    epochs: IdentityEpochs,
     /// Heartbeats' roles, held while listening (`election::roles`).
     roles: LiveRoles,
 }
@@ -149,6 +165,12 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Signals {
+    /// Whether a session of `epoch` at `address` is known to be of a key since rotated or
+    /// revoked (`identity_epochs`).
+    pub fn stale_epoch(&self, address: &RunAddress, epoch: i64) -> bool {
+        self.inner.epochs.stale(address, epoch)
+    }
+
     /// False only when no job of `address` can have a cancel request pending.
     pub fn may_have_cancel(&self, address: &RunAddress) -> bool {
         self.inner.cancels.may_have(address)
@@ -260,10 +282,13 @@ impl Signals {
         let mut listener = sqlx::postgres::PgListener::connect_with(listening).await?;
         // Not `recv`'s silent reconnection: the gap must be seen, to look again.
         listener.eager_reconnect(false);
-        listener.listen_all([JOB_CANCELS, JOB_WAKES, PROJECTS, NUDGES, MCP_SUBSCRIPTIONS]).await?;
+        listener.listen_all([JOB_CANCELS, JOB_WAKES, PROJECTS, NUDGES, MCP_SUBSCRIPTIONS, IDENTITY_EPOCHS]).await?;
         // Every change committed from here on is heard: roles read from now on may be held.
         self.inner.roles.listening();
         self.rescan(pool).await?;
+        for (server_instance_id, component_kind, epoch) in scan_epochs(pool).await? {
+            self.inner.epochs.heard(&RunAddress { server_instance_id, component_kind }, epoch);
+        }
         self.wake_everyone();
         let mut rescan = tokio::time::interval(RESCAN_EVERY);
         rescan.tick().await;
@@ -298,6 +323,17 @@ impl Signals {
                 Ok(project) => {
                     self.inner.roles.changed(&project.namespace, &project.project_id);
                     self.inner.projects.wake(&project);
+                    true
+                }
+                Err(_) => false,
+            },
+            IDENTITY_EPOCHS => match serde_json::from_str::<EpochSignal>(payload) {
+                Ok(signal) => {
+                    let address = RunAddress {
+                        server_instance_id: signal.server_instance_id,
+                        component_kind: signal.component_kind,
+                    };
+                    self.inner.epochs.heard(&address, signal.epoch);
                     true
                 }
                 Err(_) => false,
@@ -429,6 +465,13 @@ async fn scan_nudges(pool: &PgPool) -> Result<HashSet<SessionKey>, sqlx::Error> 
             .fetch_all(pool)
             .await?;
     Ok(rows.into_iter().map(|(namespace, session_id)| SessionKey { namespace, session_id }).collect())
+}
+
+/// The newest epoch of every address (live identities and revoked ones alike).
+async fn scan_epochs(pool: &PgPool) -> Result<Vec<(String, String, i64)>, sqlx::Error> {
+    sqlx::query_as("SELECT server_instance_id, component_kind, max(epoch) FROM run_identities GROUP BY 1, 2")
+        .fetch_all(pool)
+        .await
 }
 
 async fn scan_cancels(pool: &PgPool) -> Result<HashSet<RunAddress>, sqlx::Error> {

@@ -523,7 +523,8 @@ impl RunRegistry {
         })
     }
 
-    /// A heartbeat: checks the token, keeps the snapshot and renews the lease; says
+    /// A heartbeat: checks the token (and that its epoch is not known to be an older
+    /// one: `Signals::stale_epoch`), keeps the snapshot and renews the lease; says
     /// whether it changed the session's `draining` (the heartbeat then has the
     /// RunSession's status refreshed).
     #[tracing::instrument(level = "debug", skip_all, fields(store = "registry"))]
@@ -536,6 +537,10 @@ impl RunRegistry {
             return Ok(Err(SessionRefused::InvalidToken));
         };
         Ok(match self.sessions.renew(&address, &token_hash(token), renewal).await? {
+            // A session of a key since rotated or revoked, which Redis was not told of
+            // (its fence failed, or a failover lost it): what the fence would have made
+            // of it. The lease was renewed; the next reconcile's fence ends it.
+            TokenCheck::Valid(lease) if self.signals.stale_epoch(&address, lease.epoch) => Err(SessionRefused::Expired),
             TokenCheck::Valid(lease) => Ok(Renewed { address, lease }),
             TokenCheck::Superseded => Err(SessionRefused::Superseded),
             TokenCheck::Expired => Err(SessionRefused::Expired),
