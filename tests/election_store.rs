@@ -222,3 +222,53 @@ async fn heartbeats(pool: &sqlx::PgPool) -> Vec<(String, chrono::DateTime<chrono
         .await
         .expect("heartbeats")
 }
+
+/// The master term of a fresh registration on `project`.
+async fn registered_term(store: &ElectionStore, r: &NewRegistration) -> Option<i64> {
+    match store.register(r).await.expect("register") {
+        RegisterOutcome::Registered(row) => row.master_term,
+        other => panic!("not registered: {other:?}"),
+    }
+}
+
+/// SPEC §12 (nothing grows without bound) and §6 (a term is issued to at most one
+/// master, ever): a project nothing refers to any more is pruned after the retention,
+/// and a registration on the same project id afterwards is elected above every term the
+/// id ever had — a demoted master's old term never becomes current again. A project with
+/// a live registration stays.
+#[tokio::test]
+async fn idle_projects_are_pruned_and_their_terms_never_come_back() {
+    use prism_operator::crd::ReleaseReason;
+    let db = TestDb::new().await;
+    let store = ElectionStore::new(db.pool.clone());
+    // Three masters in turn on P: terms 1, 2, 3.
+    let mut last_term = 0;
+    for i in 0..3 {
+        let r = reg("ns", &format!("p-{i}"), "P", &format!("s-{i}"), AgentSurface::Codex);
+        last_term = registered_term(&store, &r).await.expect("master of an empty project");
+        assert!(store.release(r.id, ReleaseReason::Wrapped).await.expect("release"));
+    }
+    let live = reg("ns", "q", "Q", "s-q", AgentSurface::Codex);
+    registered_term(&store, &live).await.expect("master of Q");
+    // A month and more later, the released rows' resources gone.
+    for sql in [
+        "UPDATE controller_registrations SET resource_gone = true,
+             released_at = released_at - interval '40 days' WHERE released_at IS NOT NULL",
+        "UPDATE controller_projects SET updated_at = updated_at - interval '40 days'",
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&db.pool).await.expect(sql);
+    }
+
+    let pruned = store.prune(30).await.expect("prune");
+    assert_eq!((pruned.registrations, pruned.projects), (3, 1), "{pruned:?}");
+    let left: Vec<String> = sqlx::query_scalar("SELECT project_id FROM controller_projects ORDER BY 1")
+        .fetch_all(&db.pool)
+        .await
+        .expect("projects");
+    assert_eq!(left, ["Q"], "the live project stays");
+    assert_eq!(store.prune(30).await.expect("again").projects, 0, "nothing more to prune");
+
+    let back = reg("ns", "p-back", "P", "s-back", AgentSurface::Codex);
+    let term = registered_term(&store, &back).await.expect("master of P again");
+    assert!(term > last_term, "P's new master has term {term}, its pruned past reached {last_term}");
+}

@@ -106,6 +106,8 @@ pub struct ProjectView {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Pruned {
     pub registrations: u64,
+    /// Projects nothing referred to any more (their terms kept as their namespace's floor).
+    pub projects: u64,
     pub history: u64,
     pub nudges: u64,
 }

@@ -462,10 +462,11 @@ async fn retain<E: Elections, R: Runs>(ctx: &Context<E, R>, namespace: Option<&s
     }
     let pruned = ctx.election.prune(history_days).await.map_err(ControllerError::election)?;
     let (jobs, identities) = ctx.registry.prune(history_days).await.map_err(ControllerError::registry)?;
-    if deleted + pruned.registrations + pruned.history + pruned.nudges + jobs + identities > 0 {
+    if deleted + pruned.registrations + pruned.projects + pruned.history + pruned.nudges + jobs + identities > 0 {
         info!(
             resources_deleted = deleted,
             registrations = pruned.registrations,
+            projects = pruned.projects,
             history = pruned.history,
             nudges = pruned.nudges,
             jobs,

@@ -759,6 +759,7 @@ impl ElectionStore {
             .bind(days)
         })
         .await?;
+        let projects = prune_projects(&self.pool, days).await?;
         let nudges = prune_batches(&self.pool, "retention: prune nudges", || {
             sqlx::query(
                 "DELETE FROM nudges WHERE id IN (
@@ -788,7 +789,7 @@ impl ElectionStore {
                 break;
             }
         }
-        Ok(Pruned { registrations, history, nudges })
+        Ok(Pruned { registrations, projects, history, nudges })
     }
 
     /// Refreshes `last_heartbeat` of the live registrations of these (namespace,
@@ -860,6 +861,45 @@ async fn lock_project(tx: &mut Transaction<'_, Postgres>, namespace: &str, proje
         .await
         .step("lock the project")?;
     Ok(())
+}
+
+/// Deletes projects nothing refers to any more (no registration, no master, no unfinished
+/// fenced job) and unchanged for `days`, 1,000 at a time, keeping the largest term of
+/// each namespace's pruned projects as its floor: a project made again starts above
+/// every term its id ever had (migration `20261206000008`). A project whose election
+/// lock is held (someone registers to it) waits for the next round.
+async fn prune_projects(pool: &PgPool, days: i32) -> Result<u64, QueryError> {
+    let mut pruned = 0;
+    loop {
+        let done: i64 = sqlx::query_scalar(
+            "WITH gone AS (
+                 DELETE FROM controller_projects WHERE (namespace, project_id) IN (
+                     SELECT q.namespace, q.project_id FROM controller_projects q
+                     WHERE q.master_id IS NULL AND q.updated_at < now() - make_interval(days => $1)
+                       AND NOT EXISTS (SELECT 1 FROM controller_registrations r
+                                       WHERE r.namespace = q.namespace AND r.project_id = q.project_id)
+                       AND NOT EXISTS (SELECT 1 FROM runtime_jobs j
+                                       WHERE j.fence_namespace = q.namespace AND j.fence_project_id = q.project_id
+                                         AND j.fence_term IS NOT NULL AND j.state IN ('queued','claimed','running'))
+                       AND pg_try_advisory_xact_lock(hashtextextended(q.namespace || '/' || q.project_id, 0))
+                     ORDER BY q.updated_at LIMIT 1000
+                     FOR UPDATE SKIP LOCKED)
+                 RETURNING namespace, term),
+             floors AS (
+                 INSERT INTO controller_term_floors AS f (namespace, term_floor)
+                 SELECT namespace, max(term) FROM gone GROUP BY namespace ORDER BY namespace
+                 ON CONFLICT (namespace) DO UPDATE SET term_floor = GREATEST(f.term_floor, EXCLUDED.term_floor))
+             SELECT count(*) FROM gone",
+        )
+        .bind(days)
+        .fetch_one(pool)
+        .await
+        .step("retention: prune projects nothing refers to")?;
+        pruned += done as u64;
+        if done < 1000 {
+            return Ok(pruned);
+        }
+    }
 }
 
 /// The exact per-owner quota: the owner's registrations are counted under a lock of the
