@@ -3,6 +3,8 @@
 //! release, heartbeat, read the routing table, fence. The HTTP layer parses and
 //! authorizes; this layer does the work.
 
+use std::sync::Arc;
+
 use chrono::{DateTime, Utc};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::{Api, Client, ResourceExt};
@@ -102,6 +104,35 @@ pub struct RoutingTable {
 
 pub use prism_core::election::ChangeId;
 
+/// A project's routing at one change, shared by every watch that read it together: a
+/// stream that waits for its reader keeps this (a reference), and its table is made when
+/// the reader takes it — 1,000 stalled watches of a large project keep one copy, not
+/// 1,000.
+#[derive(Clone, Debug)]
+pub struct RoutingSnapshot {
+    pub id: ChangeId,
+    namespace: String,
+    project_id: String,
+    read: Arc<RoutingRead>,
+}
+
+impl RoutingSnapshot {
+    /// The table as `session_id` (the caller's own session, if any) sees it.
+    pub fn table(&self, session_id: Option<&str>) -> RoutingTable {
+        let (view, stale) = &*self.read;
+        RoutingTable {
+            project_id: self.project_id.clone(),
+            namespace: self.namespace.clone(),
+            term: view.term,
+            master: view.master.as_ref().map(RouteEntry::from),
+            peers: view.live.iter().filter(|r| !r.is_master).map(RouteEntry::from).collect(),
+            stale: stale.iter().map(RouteEntry::from).collect(),
+            caller: session_id.and_then(|s| view.live.iter().find(|r| r.session_id == s)).map(RouteEntry::from),
+            nudges: None,
+        }
+    }
+}
+
 /// A routing table and the change it shows.
 #[derive(Clone, Debug)]
 pub struct RoutingChange {
@@ -161,7 +192,7 @@ pub struct AgentService {
     /// A project's routing reads asked for at once, made once: every watch and MCP
     /// subscription of a project is woken by the same change and reads the same table
     /// (1,000 watches of a busy project made 1,000 reads of it per change).
-    routing_reads: SharedReads<(String, String), RoutingRead>,
+    routing_reads: SharedReads<(String, String), Arc<RoutingRead>>,
 }
 
 /// What a routing table is made of: the project's live registrations and term, and its
@@ -487,27 +518,25 @@ impl AgentService {
         project_id: &str,
         session_id: Option<&str>,
     ) -> Result<RoutingChange, ElectionError> {
+        let snapshot = self.routing_snapshot(namespace, project_id).await?;
+        Ok(RoutingChange { id: snapshot.id, table: snapshot.table(session_id) })
+    }
+
+    /// What the project's routing tables are made of now, read once for everyone who
+    /// asks at the same moment (`routing_reads`), each caller's table made from it later.
+    #[tracing::instrument(level = "debug", skip_all, fields(store = "agents"))]
+    pub async fn routing_snapshot(&self, namespace: &str, project_id: &str) -> Result<RoutingSnapshot, ElectionError> {
         let key = (namespace.to_string(), project_id.to_string());
-        let (view, stale) = self
+        let read = self
             .routing_reads
             .read(key, || async {
                 let view = self.store.project(namespace, project_id).await?;
                 let stale = self.store.recently_stale(namespace, project_id, Utc::now() - STALE_WINDOW).await?;
-                Ok::<_, ElectionError>((view, stale))
+                Ok::<_, ElectionError>(Arc::new((view, stale)))
             })
             .await?;
-        let id = ChangeId { term: view.term, seq: view.changes };
-        let table = RoutingTable {
-            project_id: project_id.to_string(),
-            namespace: namespace.to_string(),
-            term: view.term,
-            master: view.master.as_ref().map(RouteEntry::from),
-            peers: view.live.iter().filter(|r| !r.is_master).map(RouteEntry::from).collect(),
-            stale: stale.iter().map(RouteEntry::from).collect(),
-            caller: session_id.and_then(|s| view.live.iter().find(|r| r.session_id == s)).map(RouteEntry::from),
-            nudges: None,
-        };
-        Ok(RoutingChange { id, table })
+        let id = ChangeId { term: read.0.term, seq: read.0.changes };
+        Ok(RoutingSnapshot { id, namespace: namespace.to_string(), project_id: project_id.to_string(), read })
     }
 
     /// The project's master if `term` is its current master term: lets downstream systems

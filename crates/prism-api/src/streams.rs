@@ -112,10 +112,27 @@ impl HttpBody for Bounded {
 /// How long a writer with an event waits for the reader to take the one before it.
 pub const READER_GRACE: Duration = Duration::from_secs(2);
 
+/// An event for the reader, or how to make it once the reader takes it: a watch's table
+/// is made from a snapshot its project's watches share, so a stream whose reader stalls
+/// keeps a reference rather than a copy of its own.
+enum Waiting {
+    Made(Event),
+    Later(Box<dyn FnOnce() -> Event + Send>),
+}
+
+impl Waiting {
+    fn make(self) -> Event {
+        match self {
+            Waiting::Made(event) => event,
+            Waiting::Later(make) => make(),
+        }
+    }
+}
+
 /// What one stream has for its reader: at most one event waiting, then the end.
 #[derive(Default)]
 struct Slot {
-    waiting: Option<Event>,
+    waiting: Option<Waiting>,
     /// The last event, sent after the waiting one (a `reset` or an `error`).
     last: Option<Event>,
     /// Nothing comes after `last` (or after `waiting`, without one).
@@ -165,10 +182,16 @@ impl Outbox {
     /// within `READER_GRACE` gets a `reset` event after that one, and the stream ends: it
     /// is never buffered for.
     pub async fn offer(&self, event: Event) -> Result<(), Refused> {
-        self.offer_within(event, READER_GRACE).await
+        self.offer_within(Waiting::Made(event), READER_GRACE).await
     }
 
-    async fn offer_within(&self, event: Event, grace: Duration) -> Result<(), Refused> {
+    /// `offer` of the event `make` makes when the reader takes it (made once, by the
+    /// reader's task).
+    pub async fn offer_later(&self, make: impl FnOnce() -> Event + Send + 'static) -> Result<(), Refused> {
+        self.offer_within(Waiting::Later(Box::new(make)), READER_GRACE).await
+    }
+
+    async fn offer_within(&self, event: Waiting, grace: Duration) -> Result<(), Refused> {
         let until = tokio::time::Instant::now() + grace;
         loop {
             let taken = self.taken.notified();
@@ -258,8 +281,9 @@ impl Reader {
             {
                 let mut slot = self.0.slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 if let Some(event) = slot.waiting.take() {
+                    drop(slot);
                     self.0.taken.notify_one();
-                    return Some(event);
+                    return Some(event.make());
                 }
                 if slot.ended {
                     return slot.last.take();
@@ -304,11 +328,36 @@ mod tests {
         tokio::pin!(events);
         outbox.offer(Event::default().data("1")).await.expect("one may wait");
         let grace = Duration::from_millis(50);
-        assert_eq!(outbox.offer_within(Event::default().data("2"), grace).await, Err(Refused::Behind));
+        assert_eq!(outbox.offer_within(Waiting::Made(Event::default().data("2")), grace).await, Err(Refused::Behind));
         assert_eq!(outbox.offer(Event::default().data("3")).await, Err(Refused::Gone), "nothing after the end");
         let got: Vec<String> = events.by_ref().map(|e| format!("{:?}", e.expect("event"))).collect().await;
         assert_eq!(got.len(), 2, "the waiting event, then the reset: {got:?}");
         assert!(got[0].contains("data: 1") && got[1].contains("reset"), "{got:?}");
+    }
+
+    /// A stalled reader's stream keeps what makes its event (a watch: the snapshot its
+    /// project's watches share), not the event: it is made once, when taken, and never
+    /// for a reader that went away.
+    #[tokio::test]
+    async fn an_event_offered_later_is_made_once_when_the_reader_takes_it() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let made = Arc::new(AtomicUsize::new(0));
+        let maker = |made: Arc<AtomicUsize>| {
+            move || {
+                made.fetch_add(1, Ordering::SeqCst);
+                Event::default().data("table")
+            }
+        };
+        let (outbox, events) = Outbox::new();
+        let mut events = Box::pin(events);
+        outbox.offer_later(maker(made.clone())).await.expect("waits");
+        assert_eq!(made.load(Ordering::SeqCst), 0, "not made while the reader stalls");
+        let got = format!("{:?}", events.next().await.expect("some").expect("ok"));
+        assert!(got.contains("data: table"), "{got}");
+        assert_eq!(made.load(Ordering::SeqCst), 1, "made when taken");
+        outbox.offer_later(maker(made.clone())).await.expect("waits");
+        drop(events);
+        assert_eq!(made.load(Ordering::SeqCst), 1, "never made for a reader that left");
     }
 
     #[tokio::test]

@@ -139,6 +139,19 @@ struct Watch {
     outbox: Outbox,
 }
 
+/// The `routing` event of `snapshot` as `session` sees it; an `error` event in the
+/// impossible case that the table cannot be written as JSON.
+fn routing_event(snapshot: &crate::agent_sessions::RoutingSnapshot, session: Option<&str>) -> Event {
+    match Event::default().event("routing").id(snapshot.id.to_string()).json_data(snapshot.table(session)) {
+        Ok(event) => event,
+        Err(error) => {
+            let error = ApiError::internal("watch: routing event", error);
+            let body = serde_json::json!({"error": {"code": error.code, "message": error.message}});
+            Event::default().event("error").data(body.to_string())
+        }
+    }
+}
+
 /// Why a stream ended.
 enum End {
     /// The client went away, or the server stops.
@@ -156,22 +169,17 @@ impl Watch {
         let end = loop {
             // Armed before the read, so a change committed during it wakes the next one.
             let armed = waiter.armed();
-            let current = self
-                .state
-                .agents
-                .routing_change(&self.project.namespace, &self.project.project_id, self.session())
-                .await;
+            let current = self.state.agents.routing_snapshot(&self.project.namespace, &self.project.project_id).await;
             match current {
                 Ok(current) if last != Some(current.id) => {
-                    let event =
-                        match Event::default().event("routing").id(current.id.to_string()).json_data(&current.table) {
-                            Ok(event) => event,
-                            Err(error) => break End::Because(ApiError::internal("watch: routing event", error)),
-                        };
-                    if self.outbox.offer(event).await.is_err() {
+                    // Made when the reader takes it: until then the stream keeps the
+                    // snapshot every watch of the project shares, not a table of its own.
+                    let id = current.id;
+                    let session = self.session().map(str::to_string);
+                    if self.outbox.offer_later(move || routing_event(&current, session.as_deref())).await.is_err() {
                         break End::Quietly;
                     }
-                    last = Some(current.id);
+                    last = Some(id);
                 }
                 Ok(_) => {}
                 Err(error) => {
