@@ -100,7 +100,11 @@ pub async fn serve(
         on_shutdown.graceful_shutdown(Some(grace));
     });
     let mut server = axum_server::Server::from_listener(listener).handle(handle).http1_only();
-    server.http_builder().http1().header_read_timeout(Some(limits.header_read_timeout));
+    // A connection whose reader stalls keeps at most this much in hyper's own buffer (and
+    // the streams' one waiting event, SPEC §12): hyper's default (~400 KiB) let 1,000
+    // stalled watches of a busy project pull 400 KiB each out of their one-event outboxes
+    // (the abuse bench: +476 MiB). A request's head must fit in it too (64 KiB is ample).
+    server.http_builder().http1().header_read_timeout(Some(limits.header_read_timeout)).max_buf_size(64 * 1024);
     // TLS handshakes that fail, connections over the cap: the peer's business, not an
     // operator error (the cap warns by itself).
     let server = server.accept_error_handler(|peer: Option<&SocketAddr>, error: &std::io::Error| {
