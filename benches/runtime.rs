@@ -83,15 +83,15 @@ fn totals(side: &[(Window, RedisActivity)]) -> (Vec<Window>, u64, RedisActivity)
 /// The baseline claim: the oldest queued job of one target (and namespace, as every claim
 /// asks), unfiltered, the best raw claim the schema allows: the queued jobs' ordered index
 /// read in its own order (NULLS FIRST: no other index gives it, whatever the statistics
-/// say) and the row updated by its id, `UPDATE ... WHERE id = ANY(ARRAY(SELECT ... FOR
-/// UPDATE SKIP LOCKED LIMIT 1))`.
+/// say), `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1)` (a literal
+/// LIMIT 1: one primary-key probe; `= ANY(ARRAY(...))` read a small table whole).
 async fn raw_claim(pool: &sqlx::PgPool, server: &str, ns: &str) -> bool {
     let row: Option<(uuid::Uuid,)> = sqlx::query_as(
         "UPDATE runtime_jobs SET state = 'claimed', claimed_at = now(), visible_at = now() + interval '60 seconds',
              deadline_at = now() + interval '600 seconds', attempts = attempts + 1
-         WHERE id = ANY(ARRAY(SELECT id FROM runtime_jobs
+         WHERE id IN (SELECT id FROM runtime_jobs
                       WHERE namespace = $2 AND server_instance_id = $1 AND component_kind = 'run' AND state = 'queued'
-                      ORDER BY created_at NULLS FIRST, id NULLS FIRST LIMIT 1 FOR UPDATE SKIP LOCKED))
+                      ORDER BY created_at NULLS FIRST, id NULLS FIRST LIMIT 1 FOR UPDATE SKIP LOCKED)
          RETURNING id",
     )
     .bind(server)
