@@ -119,7 +119,7 @@ pub struct RoutingSnapshot {
 impl RoutingSnapshot {
     /// The table as `session_id` (the caller's own session, if any) sees it.
     pub fn table(&self, session_id: Option<&str>) -> RoutingTable {
-        let (view, stale) = &*self.read;
+        let RoutingRead { view, stale, .. } = &*self.read;
         RoutingTable {
             project_id: self.project_id.clone(),
             namespace: self.namespace.clone(),
@@ -130,6 +130,12 @@ impl RoutingSnapshot {
             caller: session_id.and_then(|s| view.live.iter().find(|r| r.session_id == s)).map(RouteEntry::from),
             nudges: None,
         }
+    }
+
+    /// The one rendering of this change's table as no session sees it (a watch's
+    /// `routing` event): made by the first reader that asks, shared by every other.
+    pub fn rendered_once(&self, render: impl FnOnce(&RoutingSnapshot) -> axum::body::Bytes) -> axum::body::Bytes {
+        self.read.rendered.get_or_init(|| render(self)).clone()
     }
 }
 
@@ -197,7 +203,13 @@ pub struct AgentService {
 
 /// What a routing table is made of: the project's live registrations and term, and its
 /// recently stale ones (the caller's own entry is picked from the first).
-type RoutingRead = (crate::election::ProjectView, Vec<Registration>);
+#[derive(Debug)]
+struct RoutingRead {
+    view: crate::election::ProjectView,
+    stale: Vec<Registration>,
+    /// `RoutingSnapshot::rendered_once`.
+    rendered: std::sync::OnceLock<axum::body::Bytes>,
+}
 
 /// A readable, valid resource name for a registration: the project id folded to a DNS
 /// label, plus a random suffix from the API server (generateName).
@@ -532,10 +544,10 @@ impl AgentService {
             .read(key, || async {
                 let view = self.store.project(namespace, project_id).await?;
                 let stale = self.store.recently_stale(namespace, project_id, Utc::now() - STALE_WINDOW).await?;
-                Ok::<_, ElectionError>(Arc::new((view, stale)))
+                Ok::<_, ElectionError>(Arc::new(RoutingRead { view, stale, rendered: Default::default() }))
             })
             .await?;
-        let id = ChangeId { term: read.0.term, seq: read.0.changes };
+        let id = ChangeId { term: read.view.term, seq: read.view.changes };
         Ok(RoutingSnapshot { id, namespace: namespace.to_string(), project_id: project_id.to_string(), read })
     }
 
@@ -567,6 +579,31 @@ fn resource_id(obj: &ControllerRegistration) -> Result<Uuid, AgentError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 1,000 watches of a project share one written table per change, not one each.
+    #[test]
+    fn a_change_is_rendered_once_for_every_reader_without_a_session() {
+        let view = crate::election::ProjectView { term: 3, changes: 9, ..Default::default() };
+        let read = Arc::new(RoutingRead { view, stale: Vec::new(), rendered: Default::default() });
+        let snapshot = |read: &Arc<RoutingRead>| RoutingSnapshot {
+            id: ChangeId { term: 3, seq: 9 },
+            namespace: "ns".into(),
+            project_id: "p".into(),
+            read: read.clone(),
+        };
+        let renders = std::sync::atomic::AtomicUsize::new(0);
+        let render = |s: &RoutingSnapshot| {
+            renders.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            axum::body::Bytes::from(s.id.to_string())
+        };
+        let first = snapshot(&read).rendered_once(render);
+        let second = snapshot(&read).rendered_once(render);
+        assert_eq!(renders.load(std::sync::atomic::Ordering::SeqCst), 1, "rendered once");
+        assert_eq!(first.as_ptr(), second.as_ptr(), "the same bytes, shared");
+        let other = Arc::new(RoutingRead { view: read.view.clone(), stale: Vec::new(), rendered: Default::default() });
+        snapshot(&other).rendered_once(render);
+        assert_eq!(renders.load(std::sync::atomic::Ordering::SeqCst), 2, "another read renders its own");
+    }
 
     #[test]
     fn names_are_dns_labels() {

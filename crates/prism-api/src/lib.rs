@@ -46,6 +46,7 @@ pub mod limits;
 pub mod mcp;
 pub mod runs;
 pub mod shares;
+pub mod sse;
 pub mod streams;
 pub mod strict;
 pub mod watch;

@@ -18,12 +18,12 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::body::Bytes;
-use axum::response::sse::Event;
-use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body::{Body as HttpBody, Frame as BodyFrame, SizeHint};
 use tokio::sync::Notify;
 
 use super::ApiError;
 use crate::shares::Shares;
+use crate::sse::Frame;
 
 /// Whose held requests a stream counts against.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -97,7 +97,10 @@ impl HttpBody for Bounded {
     type Data = Bytes;
     type Error = axum::Error;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<BodyFrame<Bytes>, axum::Error>>> {
         if self.deadline.as_mut().poll(cx).is_ready() {
             return Poll::Ready(None);
         }
@@ -116,12 +119,12 @@ pub const READER_GRACE: Duration = Duration::from_secs(2);
 /// is made from a snapshot its project's watches share, so a stream whose reader stalls
 /// keeps a reference rather than a copy of its own.
 enum Waiting {
-    Made(Event),
-    Later(Box<dyn FnOnce() -> Event + Send>),
+    Made(Frame),
+    Later(Box<dyn FnOnce() -> Frame + Send>),
 }
 
 impl Waiting {
-    fn make(self) -> Event {
+    fn make(self) -> Frame {
         match self {
             Waiting::Made(event) => event,
             Waiting::Later(make) => make(),
@@ -134,7 +137,7 @@ impl Waiting {
 struct Slot {
     waiting: Option<Waiting>,
     /// The last event, sent after the waiting one (a `reset` or an `error`).
-    last: Option<Event>,
+    last: Option<Frame>,
     /// Nothing comes after `last` (or after `waiting`, without one).
     ended: bool,
     /// The reader went away.
@@ -163,7 +166,7 @@ pub enum Refused {
 
 impl Outbox {
     /// An outbox and the stream of events its reader gets.
-    pub fn new() -> (Outbox, impl futures::Stream<Item = Result<Event, std::convert::Infallible>>) {
+    pub fn new() -> (Outbox, impl futures::Stream<Item = Frame> + Send + 'static) {
         let outbox = Outbox {
             slot: Default::default(),
             ready: Arc::new(Notify::new()),
@@ -173,7 +176,7 @@ impl Outbox {
         let reader = Reader(outbox.clone());
         let events = futures::stream::unfold(reader, |reader| async move {
             let event = reader.next().await?;
-            Some((Ok(event), reader))
+            Some((event, reader))
         });
         (outbox, events)
     }
@@ -181,13 +184,13 @@ impl Outbox {
     /// Puts `event` out for the reader. A reader that has not taken the event before it
     /// within `READER_GRACE` gets a `reset` event after that one, and the stream ends: it
     /// is never buffered for.
-    pub async fn offer(&self, event: Event) -> Result<(), Refused> {
+    pub async fn offer(&self, event: Frame) -> Result<(), Refused> {
         self.offer_within(Waiting::Made(event), READER_GRACE).await
     }
 
     /// `offer` of the event `make` makes when the reader takes it (made once, by the
     /// reader's task).
-    pub async fn offer_later(&self, make: impl FnOnce() -> Event + Send + 'static) -> Result<(), Refused> {
+    pub async fn offer_later(&self, make: impl FnOnce() -> Frame + Send + 'static) -> Result<(), Refused> {
         self.offer_within(Waiting::Later(Box::new(make)), READER_GRACE).await
     }
 
@@ -221,7 +224,7 @@ impl Outbox {
     /// `offer`, then waits until the reader has taken the event (handed it to the
     /// connection): for what must not be lost to a stream that ends (a nudge, marked
     /// delivered only once it is out). `Gone`: the reader went away before taking it.
-    pub async fn offer_taken(&self, event: Event) -> Result<(), Refused> {
+    pub async fn offer_taken(&self, event: Frame) -> Result<(), Refused> {
         self.offer(event).await?;
         loop {
             let taken = self.taken.notified();
@@ -242,7 +245,7 @@ impl Outbox {
     }
 
     /// Ends the stream after what is waiting, with `last` (an `error` event) if given.
-    pub fn end(&self, last: Option<Event>) {
+    pub fn end(&self, last: Option<Frame>) {
         let mut slot = self.slot.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if !slot.ended {
             slot.last = last;
@@ -265,17 +268,15 @@ impl Outbox {
 }
 
 /// The `reset` event of a stream whose reader fell behind.
-fn reset_event() -> Event {
-    Event::default().event("reset").data(
-        serde_json::json!({"reason": "slow_reader", "message": "the stream's reader fell behind; resume from a fresh snapshot"})
-            .to_string(),
-    )
+fn reset_event() -> Frame {
+    let body = serde_json::json!({"reason": "slow_reader", "message": "the stream's reader fell behind; resume from a fresh snapshot"});
+    Frame::new("reset", None, body.to_string().into())
 }
 
 struct Reader(Outbox);
 
 impl Reader {
-    async fn next(&self) -> Option<Event> {
+    async fn next(&self) -> Option<Frame> {
         loop {
             let notified = self.0.ready.notified();
             {
@@ -308,6 +309,10 @@ mod tests {
     use super::*;
     use futures::StreamExt;
 
+    fn data(text: &str) -> Frame {
+        Frame::new("message", None, Bytes::copy_from_slice(text.as_bytes()))
+    }
+
     #[test]
     fn a_holder_gets_its_share_and_the_place_comes_back() {
         let streams = Streams::new(2, Duration::from_secs(60));
@@ -326,11 +331,11 @@ mod tests {
     async fn a_reader_an_event_behind_gets_a_reset_and_the_end() {
         let (outbox, events) = Outbox::new();
         tokio::pin!(events);
-        outbox.offer(Event::default().data("1")).await.expect("one may wait");
+        outbox.offer(data("1")).await.expect("one may wait");
         let grace = Duration::from_millis(50);
-        assert_eq!(outbox.offer_within(Waiting::Made(Event::default().data("2")), grace).await, Err(Refused::Behind));
-        assert_eq!(outbox.offer(Event::default().data("3")).await, Err(Refused::Gone), "nothing after the end");
-        let got: Vec<String> = events.by_ref().map(|e| format!("{:?}", e.expect("event"))).collect().await;
+        assert_eq!(outbox.offer_within(Waiting::Made(data("2")), grace).await, Err(Refused::Behind));
+        assert_eq!(outbox.offer(data("3")).await, Err(Refused::Gone), "nothing after the end");
+        let got: Vec<String> = events.by_ref().map(|e| e.text()).collect().await;
         assert_eq!(got.len(), 2, "the waiting event, then the reset: {got:?}");
         assert!(got[0].contains("data: 1") && got[1].contains("reset"), "{got:?}");
     }
@@ -345,14 +350,14 @@ mod tests {
         let maker = |made: Arc<AtomicUsize>| {
             move || {
                 made.fetch_add(1, Ordering::SeqCst);
-                Event::default().data("table")
+                data("table")
             }
         };
         let (outbox, events) = Outbox::new();
         let mut events = Box::pin(events);
         outbox.offer_later(maker(made.clone())).await.expect("waits");
         assert_eq!(made.load(Ordering::SeqCst), 0, "not made while the reader stalls");
-        let got = format!("{:?}", events.next().await.expect("some").expect("ok"));
+        let got = events.next().await.expect("some").text();
         assert!(got.contains("data: table"), "{got}");
         assert_eq!(made.load(Ordering::SeqCst), 1, "made when taken");
         outbox.offer_later(maker(made.clone())).await.expect("waits");
@@ -365,29 +370,29 @@ mod tests {
         let (outbox, events) = Outbox::new();
         let mut events = Box::pin(events);
         for n in 0..5 {
-            outbox.offer(Event::default().data(n.to_string())).await.expect("kept up");
-            assert!(format!("{:?}", events.next().await.expect("some").expect("ok")).contains(&format!("data: {n}")));
+            outbox.offer(data(&n.to_string())).await.expect("kept up");
+            assert!(events.next().await.expect("some").text().contains(&format!("data: {n}")));
         }
         // Two events made together: the second waits for the reader to take the first.
         let reading = tokio::spawn(async move {
             let mut got = Vec::new();
             for _ in 0..2 {
                 tokio::time::sleep(Duration::from_millis(20)).await;
-                got.push(format!("{:?}", events.next().await.expect("some").expect("ok")));
+                got.push(events.next().await.expect("some").text());
             }
             (got, events)
         });
-        outbox.offer(Event::default().data("a")).await.expect("first");
-        outbox.offer(Event::default().data("b")).await.expect("second, once the first is taken");
+        outbox.offer(data("a")).await.expect("first");
+        outbox.offer(data("b")).await.expect("second, once the first is taken");
         let (got, mut events) = reading.await.expect("reader");
         assert!(got[0].contains("data: a") && got[1].contains("data: b"), "{got:?}");
-        outbox.end(Some(Event::default().event("error").data("{}")));
-        assert!(format!("{:?}", events.next().await.expect("last").expect("ok")).contains("error"));
+        outbox.end(Some(Frame::new("error", None, Bytes::from_static(b"{}"))));
+        assert!(events.next().await.expect("last").text().contains("error"));
         assert!(events.next().await.is_none());
         let (outbox, events) = Outbox::new();
         drop(events);
         tokio::time::timeout(Duration::from_secs(1), outbox.closed()).await.expect("the reader's going is seen");
-        assert_eq!(outbox.offer(Event::default().data("x")).await, Err(Refused::Gone));
+        assert_eq!(outbox.offer(data("x")).await, Err(Refused::Gone));
     }
 
     #[tokio::test]
@@ -396,10 +401,10 @@ mod tests {
         let mut events = Box::pin(events);
         let reading = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(20)).await;
-            let got = format!("{:?}", events.next().await.expect("some").expect("ok"));
+            let got = events.next().await.expect("some").text();
             (got, events)
         });
-        outbox.offer_taken(Event::default().data("nudge")).await.expect("taken");
+        outbox.offer_taken(data("nudge")).await.expect("taken");
         let (got, events) = reading.await.expect("reader");
         assert!(got.contains("data: nudge"), "{got}");
         // A reader that goes away without taking it: Gone, so the sender can give it back.
@@ -407,7 +412,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
             drop(events);
         });
-        assert_eq!(outbox.offer_taken(Event::default().data("lost?")).await, Err(Refused::Gone));
+        assert_eq!(outbox.offer_taken(data("lost?")).await, Err(Refused::Gone));
         dropping.await.expect("dropped");
     }
 

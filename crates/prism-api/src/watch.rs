@@ -20,8 +20,7 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use tracing::{debug, warn};
 
 use super::AppState;
@@ -31,6 +30,7 @@ use super::docs::{BadRequest, Forbidden, Internal, Invalid, TooManyRequests, Una
 use super::error::{ApiError, ApiPath, ApiQuery, ClientAddr};
 use crate::agent_sessions::ChangeId;
 use crate::signals::ProjectKey;
+use crate::sse::{self, Frame};
 use crate::streams::{Holder, Outbox, bounded};
 
 /// Comments on an idle stream (SPEC §11: every 15 s).
@@ -43,7 +43,7 @@ const RETRY: Duration = Duration::from_secs(2);
 /// One Server-Sent Event of a watch, as an SSE parser reads it (the document's schema of
 /// the stream: each event conforms).
 #[derive(utoipa::ToSchema)]
-#[allow(dead_code)] // Described, never built: the events are written by axum's `Event`.
+#[allow(dead_code)] // Described, never built: the events are written as `sse::Frame`s.
 pub struct WatchEvent {
     /// `routing` (data: the routing table, as status answers it), `nudge` (data: a
     /// nudge), `error` (data: `{"error": {"code", "message"}}`, then the stream ends),
@@ -106,7 +106,7 @@ pub async fn watch(
         outbox,
     };
     tokio::spawn(stream.run(waiter, resume));
-    Ok(held(Sse::new(events).keep_alive(KeepAlive::new().interval(KEEPALIVE)).into_response(), permit, &state))
+    Ok(held(sse::response(events, KEEPALIVE), permit, &state))
 }
 
 /// A streamed response holding its caller's permit, ended at the stream lifetime.
@@ -140,16 +140,25 @@ struct Watch {
 }
 
 /// The `routing` event of `snapshot` as `session` sees it; an `error` event in the
-/// impossible case that the table cannot be written as JSON.
-fn routing_event(snapshot: &crate::agent_sessions::RoutingSnapshot, session: Option<&str>) -> Event {
-    match Event::default().event("routing").id(snapshot.id.to_string()).json_data(snapshot.table(session)) {
-        Ok(event) => event,
-        Err(error) => {
+/// impossible case that the table cannot be written as JSON. Without a session it is the
+/// same for every watch of the project: written once per change and shared.
+fn routing_event(snapshot: &crate::agent_sessions::RoutingSnapshot, session: Option<&str>) -> Frame {
+    let write = |snapshot: &crate::agent_sessions::RoutingSnapshot| {
+        Frame::json("routing", Some(&snapshot.id.to_string()), &snapshot.table(session)).unwrap_or_else(|error| {
             let error = ApiError::internal("watch: routing event", error);
-            let body = serde_json::json!({"error": {"code": error.code, "message": error.message}});
-            Event::default().event("error").data(body.to_string())
-        }
+            error_event(&error)
+        })
+    };
+    match session {
+        Some(_) => write(snapshot),
+        None => Frame::from_shared(snapshot.rendered_once(|snapshot| write(snapshot).shared())),
     }
+}
+
+/// The `error` event a stream ends with.
+fn error_event(error: &ApiError) -> Frame {
+    let body = serde_json::json!({"error": {"code": error.code, "message": error.message}});
+    Frame::new("error", None, body.to_string().into())
 }
 
 /// Why a stream ended.
@@ -220,8 +229,7 @@ impl Watch {
         if let End::Because(error) = end {
             debug!(namespace = %self.project.namespace, project_id = %self.project.project_id, code = error.code,
                    "watch ended");
-            let body = serde_json::json!({"error": {"code": error.code, "message": error.message}});
-            self.outbox.end(Some(Event::default().event("error").data(body.to_string())));
+            self.outbox.end(Some(error_event(&error)));
         } else {
             self.outbox.end(None);
         }
@@ -254,9 +262,7 @@ impl Watch {
             }
         };
         for (n, nudge) in nudges.iter().enumerate() {
-            let event = Event::default()
-                .event("nudge")
-                .json_data(nudge)
+            let event = Frame::json("nudge", None, nudge)
                 .map_err(|e| End::Because(ApiError::internal("watch: nudge event", e)))?;
             // Marked delivered when taken; one the stream could not hand out (its reader
             // left, or fell behind) is given back for the session's next answer.

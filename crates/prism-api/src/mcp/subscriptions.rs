@@ -19,8 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::json;
 use tracing::{debug, warn};
 
@@ -31,6 +30,7 @@ use crate::auth::Caller;
 use crate::db::QueryError;
 use crate::mcp_store::{FollowQuota, McpStore, SessionRows};
 use crate::signals::ProjectKey;
+use crate::sse::{self, Frame};
 use crate::streams::{Holder, Outbox};
 use crate::watch::{KEEPALIVE, RECHECK_EVERY, stopped};
 use crate::{ApiError, AppState};
@@ -101,7 +101,7 @@ fn no_session() -> ApiError {
 pub fn stream(state: Arc<AppState>, follower: Follower, session: SessionFacts) -> Result<Response, ApiError> {
     let permit = state.streams.hold(Holder::Identity(follower.caller.username.clone()))?;
     let (outbox, events) = Outbox::new();
-    let response = Sse::new(events).keep_alive(KeepAlive::new().interval(KEEPALIVE)).into_response();
+    let response = sse::response(events, KEEPALIVE);
     let response = crate::watch::held(response, permit, &state);
     tokio::spawn(SessionStream { state, follower, session, outbox }.run());
     Ok(response)
@@ -158,7 +158,7 @@ impl SessionStream {
                     for uri in uris.get(&project).into_iter().flatten() {
                         let message = json!({"jsonrpc": "2.0", "method": "notifications/resources/updated",
                                              "params": {"uri": uri}});
-                        let event = Event::default().event("message").data(message.to_string());
+                        let event = Frame::new("message", None, message.to_string().into());
                         if self.outbox.offer(event).await.is_err() {
                             return;
                         }
