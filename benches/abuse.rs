@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::counts::rss_mib;
+use common::counts::{cpu_of, cpu_seconds, rss_mib};
 use common::measure::{Target, interleave, judged, rounds, spread, window};
 use futures::FutureExt;
 use prism_operator::run_client::{self, RunClient};
@@ -102,6 +102,33 @@ async fn forged_hellos(base: String, server: String, attack: Arc<Attack>) {
     }
 }
 
+/// CPU seconds so far, or cores busy over a window.
+#[derive(Clone, Copy, Default)]
+struct Cpu {
+    operator: f64,
+    postgres: f64,
+    bench: f64,
+}
+
+impl Cpu {
+    fn now(operator: u32) -> Cpu {
+        Cpu {
+            operator: cpu_seconds(operator),
+            postgres: cpu_of("postgres", ""),
+            bench: cpu_seconds(std::process::id()),
+        }
+    }
+
+    fn since(&self, before: &Cpu, window: Duration) -> Cpu {
+        let s = window.as_secs_f64();
+        Cpu {
+            operator: (self.operator - before.operator) / s,
+            postgres: (self.postgres - before.postgres) / s,
+            bench: (self.bench - before.bench) / s,
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() {
     let w = support::runs::RunWorld::start(
@@ -138,6 +165,9 @@ async fn main() {
     assert!(heartbeat(0, 0).await, "the agent's heartbeat works");
 
     let attacks: Vec<Arc<Attack>> = (0..rounds()).map(|_| Arc::new(Attack::default())).collect();
+    // Whose CPU each measured window used (the two cores are shared by all): the
+    // operator, Postgres, and this bench's own clients (agents and attackers).
+    let cpu: Arc<std::sync::Mutex<[Vec<Cpu>; 2]>> = Arc::default();
     let quiet_rss = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
     let hello_answers = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let run = Arc::new(tokio::sync::Mutex::new(run));
@@ -145,11 +175,16 @@ async fn main() {
         let heartbeat = heartbeat.clone();
         let attack = attacks[round].clone();
         let (quiet_rss, hello_answers, run) = (quiet_rss.clone(), hello_answers.clone(), run.clone());
+        let cpu = cpu.clone();
         let (base, ns, attacker, http) = (op.base.clone(), ns.clone(), attacker.clone(), http.clone());
         let register_url = op.url("/api/v1/controller/register");
         async move {
             if side == 0 {
+                let before = Cpu::now(pid);
                 let measured = window(AGENTS, WINDOW, heartbeat).await;
+                if let Ok(mut c) = cpu.lock() {
+                    c[0].push(Cpu::now(pid).since(&before, WINDOW));
+                }
                 if let Ok(mut q) = quiet_rss.lock() {
                     q.push(rss_mib(pid));
                 }
@@ -199,7 +234,11 @@ async fn main() {
             {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
+            let before = Cpu::now(pid);
             let measured = window(AGENTS, WINDOW, heartbeat).await;
+            if let Ok(mut c) = cpu.lock() {
+                c[1].push(Cpu::now(pid).since(&before, WINDOW));
+            }
             let _ = hellos.await;
             // The Run's own hello, right after the forged ones in its name.
             let answer = match run.lock().await.hello().await {
@@ -227,6 +266,17 @@ async fn main() {
     println!("RSS quiet                 {} MiB", spread(&quiet_rss, 1));
     println!("RSS peak, attacked        {} MiB", spread(&peaks, 1));
     println!("attacked - quiet          {}", judged(&growth, 1, Target::AtMost(64.0)));
+    if let Ok(c) = cpu.lock() {
+        for (side, name) in [(0, "quiet   "), (1, "attacked")] {
+            let of = |f: fn(&Cpu) -> f64| spread(&c[side].iter().map(f).collect::<Vec<_>>(), 2);
+            println!(
+                "CPU cores busy, {name}  operator {}   Postgres {}   the bench's clients {}",
+                of(|c| c.operator),
+                of(|c| c.postgres),
+                of(|c| c.bench)
+            );
+        }
+    }
     let total = |f: fn(&Attack) -> &AtomicU64| attacks.iter().map(|a| f(a).load(Ordering::Relaxed)).sum::<u64>();
     println!(
         "stalled watches: {} held, {} ended with a reset, {} refused 429",

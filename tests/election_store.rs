@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use prism_operator::crd::AgentSurface;
 use prism_operator::election::heartbeat::HeartbeatCoalescer;
-use prism_operator::election::{ElectionStore, NewRegistration, RegisterOutcome};
+use prism_operator::election::{ElectionStore, NewRegistration, Quotas, RegisterOutcome};
 use prometheus_client::metrics::counter::Counter;
 use support::TestDb;
 use uuid::Uuid;
@@ -271,4 +271,145 @@ async fn idle_projects_are_pruned_and_their_terms_never_come_back() {
     let back = reg("ns", "p-back", "P", "s-back", AgentSurface::Codex);
     let term = registered_term(&store, &back).await.expect("master of P again");
     assert!(term > last_term, "P's new master has term {term}, its pruned past reached {last_term}");
+}
+
+/// A registration takes its project's lock and reads the project in one round trip
+/// (migration `20261207000001`): the lock is the one every election writer takes —
+/// including the previous release, which names it by its own expression — and what the
+/// holder committed is what the registration decides on once the lock is granted: a
+/// master released under the lock is gone (read before the lock, it would still look
+/// live, and the newcomer would join a project without a master as a peer).
+#[tokio::test]
+async fn a_registration_waits_for_the_project_lock_and_sees_what_its_holder_committed() {
+    let db = TestDb::new().await;
+    let store = ElectionStore::new(db.pool.clone());
+    let ns = "lockns";
+    let first = reg(ns, "first", "P", "first-s", AgentSurface::ClaudeCode);
+    store.register(&first).await.expect("first");
+    // The previous release's lock, by its own expression; under it, the master is
+    // released by hand (as the previous release's wrap would).
+    let mut holder = db.pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2, 0))")
+        .bind(ns)
+        .bind("P")
+        .execute(&mut *holder)
+        .await
+        .expect("lock");
+    sqlx::query(
+        "UPDATE controller_registrations SET is_master = FALSE, released_at = now(), release_reason = 'wrapped'
+         WHERE id = $1",
+    )
+    .bind(first.id)
+    .execute(&mut *holder)
+    .await
+    .expect("release");
+    sqlx::query("UPDATE controller_projects SET master_id = NULL WHERE namespace = $1 AND project_id = 'P'")
+        .bind(ns)
+        .execute(&mut *holder)
+        .await
+        .expect("no master");
+    let newcomer = reg(ns, "newcomer", "P", "new-s", AgentSurface::Codex);
+    let registering = tokio::spawn({
+        let store = store.clone();
+        let newcomer = newcomer.clone();
+        async move { store.register(&newcomer).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!registering.is_finished(), "the registration waits for the project's lock");
+    holder.commit().await.expect("commit");
+    let outcome = tokio::time::timeout(Duration::from_secs(10), registering)
+        .await
+        .expect("registered once the lock is free")
+        .expect("task")
+        .expect("register");
+    let RegisterOutcome::Registered(row) = outcome else { panic!("registered: {outcome:?}") };
+    assert!(row.is_master, "the project had no master once the lock was granted: {row:?}");
+    let masters: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM controller_registrations WHERE namespace = $1 AND is_master AND released_at IS NULL",
+    )
+    .bind(ns)
+    .fetch_one(&db.pool)
+    .await
+    .expect("masters");
+    assert_eq!(masters, 1, "one master");
+}
+
+/// Index entries and sequentially read rows of `controller_registrations` so far, once
+/// the backends behind `pools` have flushed their statistics (each forced to, then idle).
+async fn reads_of_registrations(reader: &sqlx::PgPool, pools: &[&sqlx::PgPool]) -> i64 {
+    for pool in pools {
+        sqlx::query("SELECT pg_stat_force_next_flush()").execute(*pool).await.expect("flush statistics");
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    sqlx::query_scalar(
+        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = 'controller_registrations')::int8
+              + (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables WHERE relname = 'controller_registrations')::int8",
+    )
+    .fetch_one(reader)
+    .await
+    .expect("read statistics")
+}
+
+/// Issue 43, item 10: a registration's cost does not grow with how many are live. The
+/// adversarial case is the ordinary life of a connection: its plans were made while the
+/// table was small (a fresh install), and the table grew under them. A registration then
+/// reads a few index entries with 20,000 live, as with a handful; before, the master was
+/// found by scanning every live registration (the election bench: 116 entries per
+/// registration after a few hundred live).
+#[tokio::test]
+async fn a_registration_reads_a_few_entries_however_many_are_live() {
+    let db = TestDb::new().await;
+    // One connection: the plans the store's statements cached are the ones measured.
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&db.url).await.expect("pool");
+    // The namespace quota (10,000 by default) out of the way: what is measured is the
+    // election's own reads.
+    let store = ElectionStore::with_quotas(pool.clone(), Quotas { per_owner: u32::MAX, per_namespace: u32::MAX });
+    let ns = "many";
+    let setup = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&db.url).await.expect("setup pool");
+    sqlx::query("ANALYZE controller_registrations").execute(&setup).await.expect("analyze the empty table");
+    for i in 0..20 {
+        store.register(&reg(ns, &format!("w-{i}"), "P", &format!("w-{i}"), AgentSurface::Codex)).await.expect("warm");
+    }
+    // 20,000 live registrations of 200 projects, each with a master.
+    sqlx::query(
+        "INSERT INTO controller_projects (namespace, project_id, term)
+         SELECT $1, 'q' || p, 1 FROM generate_series(1, 200) p",
+    )
+    .bind(ns)
+    .execute(&setup)
+    .await
+    .expect("projects");
+    sqlx::query(
+        "INSERT INTO controller_registrations (id, namespace, name, project_id, session_id, agent_surface, is_master, master_term)
+         SELECT gen_random_uuid(), $1, 'r-' || g, 'q' || (g % 200 + 1), 's-' || g, 'codex', g <= 200, CASE WHEN g <= 200 THEN 1 END
+         FROM generate_series(1, 20000) g",
+    )
+    .bind(ns)
+    .execute(&setup)
+    .await
+    .expect("live registrations");
+    sqlx::query(
+        "UPDATE controller_projects p SET master_id = r.id FROM controller_registrations r
+         WHERE r.namespace = p.namespace AND r.project_id = p.project_id AND r.is_master AND p.namespace = $1",
+    )
+    .bind(ns)
+    .execute(&setup)
+    .await
+    .expect("masters");
+    // The setup on a connection of its own, its statistics flushed before the count.
+    let before = reads_of_registrations(&pool, &[&setup, &pool]).await;
+    let registrations = 100;
+    for i in 0..registrations {
+        let project = format!("q{}", i % 200 + 1);
+        let outcome =
+            store.register(&reg(ns, &format!("n-{i}"), &project, &format!("n-{i}"), AgentSurface::Cursor)).await;
+        assert!(matches!(outcome, Ok(RegisterOutcome::Registered(ref r)) if !r.is_master), "a peer: {outcome:?}");
+    }
+    let per_registration =
+        (reads_of_registrations(&pool, &[&setup, &pool]).await - before) as f64 / f64::from(registrations);
+    println!(
+        "index entries and rows of controller_registrations read per registration, 20,000 live: {per_registration:.1}"
+    );
+    // Measured: 1.0 per registration; 72 with the plan of the head read that 0.2.0 had before.
+    assert!(per_registration <= 20.0, "a registration reads a few entries, not the live set: {per_registration}");
 }

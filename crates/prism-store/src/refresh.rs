@@ -54,7 +54,7 @@ pub async fn announce<'a>(
     kind: Kind,
     resources: impl IntoIterator<Item = &'a NamespacedName>,
 ) -> Result<(), QueryError> {
-    let payloads: Vec<String> = resources.into_iter().map(NamespacedName::payload).collect();
+    let payloads = payloads(resources);
     if payloads.is_empty() {
         return Ok(());
     }
@@ -65,6 +65,11 @@ pub async fn announce<'a>(
         .await
         .step("refresh: notify")?;
     Ok(())
+}
+
+/// The NOTIFY payloads of `resources` (for a statement that sends them with other work).
+pub fn payloads<'a>(resources: impl IntoIterator<Item = &'a NamespacedName>) -> Vec<String> {
+    resources.into_iter().map(NamespacedName::payload).collect()
 }
 
 /// `announce` on a connection of the pool, for a change that was not a transaction of ours.

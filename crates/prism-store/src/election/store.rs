@@ -22,7 +22,7 @@ use prism_core::election::{Cause, Event, decide};
 
 mod transaction;
 use transaction::{
-    check_owner_quota, insert_registration, lock_and_read, lock_project, plan_registration, write_decision,
+    check_owner_quota, lock_and_read, lock_project, plan_registration, write_decision, write_registration,
     write_wrap_nudge,
 };
 
@@ -544,9 +544,9 @@ impl ElectionStore {
             self.check_namespace_quota(&new.namespace).await?;
         }
         let mut tx = crate::db::begin(&self.pool).await.step("register: begin")?;
-        match leaving {
-            None => lock_project(&mut tx, &new.namespace, &new.project_id).await?,
-            Some(from) => {
+        // Without a project to leave, the plan's first read takes the project's lock.
+        if let Some(from) = leaving {
+            {
                 // Every transaction that holds two project locks takes them in this
                 // order, so two context switches cannot wait for each other.
                 let mut projects = [
@@ -567,22 +567,21 @@ impl ElectionStore {
                 write_wrap_nudge(&mut tx, from).await?;
             }
         }
+        let plan = plan_registration(&mut tx, new).await?;
+        // The owner's lock after the project's, always in that order.
         if let Some(owner) = &new.owner {
             check_owner_quota(&mut tx, owner, new, self.quotas.per_owner).await?;
-        }
-        let plan = plan_registration(&mut tx, new).await?;
-        match insert_registration(&mut tx, new, plan.now).await {
-            Ok(()) => {}
-            Err(e) if e.constraint() == Some(ID_INDEX) => return Ok(Attempt::IdKnown),
-            Err(e) if e.constraint() == Some(SESSION_INDEX) => return Ok(Attempt::SessionLive),
-            Err(e) => return Err(e.into()),
         }
         // A kubectl registration's own status follows from the reconcile that is writing
         // this row; one the API writes is announced with the others (its creation may
         // have been reconciled before the row existed).
         let announced = (!new.through_api).then_some(new.id);
-        write_decision(&mut tx, &new.namespace, &new.project_id, &plan.before, &plan.decision, &plan.names, announced)
-            .await?;
+        match write_registration(&mut tx, new, &plan, announced).await {
+            Ok(()) => {}
+            Err(e) if e.constraint() == Some(ID_INDEX) => return Ok(Attempt::IdKnown),
+            Err(e) if e.constraint() == Some(SESSION_INDEX) => return Ok(Attempt::SessionLive),
+            Err(e) => return Err(e.into()),
+        }
         let committed = tx.commit().await;
         if let Some(from) = leaving {
             self.changed(&from.namespace, &from.project_id);
@@ -871,7 +870,7 @@ async fn prune_projects(pool: &PgPool, days: i32) -> Result<u64, QueryError> {
                        AND NOT EXISTS (SELECT 1 FROM runtime_jobs j
                                        WHERE j.fence_namespace = q.namespace AND j.fence_project_id = q.project_id
                                          AND j.fence_term IS NOT NULL AND j.state IN ('queued','claimed','running'))
-                       AND pg_try_advisory_xact_lock(hashtextextended(q.namespace || '/' || q.project_id, 0))
+                       AND pg_try_advisory_xact_lock(controller_project_lock_key(q.namespace, q.project_id))
                      ORDER BY q.updated_at LIMIT 1000
                      FOR UPDATE SKIP LOCKED)
                  RETURNING namespace, term),

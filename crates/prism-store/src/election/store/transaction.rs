@@ -23,7 +23,7 @@ pub(super) async fn lock_project(
     namespace: &str,
     project_id: &str,
 ) -> Result<(), QueryError> {
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1 || '/' || $2, 0))")
+    sqlx::query("SELECT pg_advisory_xact_lock(controller_project_lock_key($1, $2))")
         .bind(namespace)
         .bind(project_id)
         .execute(&mut **tx)
@@ -152,23 +152,23 @@ impl ProjectHead {
     }
 }
 
-pub(super) async fn read_head(
+/// Takes the project's lock and reads its head in one round trip (migration
+/// `20261207000001`: a function's queries see what was committed before the lock was
+/// granted, which one statement's snapshot would not). None: the project has no row yet.
+pub(super) async fn lock_and_read_head(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
 ) -> Result<Option<ProjectHead>, QueryError> {
     sqlx::query_as(
-        "SELECT p.term, clock_timestamp() AS now, r.id AS master_id, r.name AS master_name,
-                r.agent_surface AS master_surface, r.registered_at AS master_registered_at
-         FROM controller_projects p
-         LEFT JOIN controller_registrations r ON r.id = p.master_id AND r.is_master AND r.released_at IS NULL
-         WHERE p.namespace = $1 AND p.project_id = $2",
+        "SELECT term, now, master_id, master_name, master_surface, master_registered_at
+         FROM controller_lock_project_head($1, $2)",
     )
     .bind(namespace)
     .bind(project_id)
     .fetch_optional(&mut **tx)
     .await
-    .step("register: read the project and its master")
+    .step("register: lock the project, read it and its master")
 }
 
 pub(super) fn project_state(term: i64, rows: &[CandidateRow]) -> (ProjectState, HashMap<Uuid, String>) {
@@ -245,7 +245,7 @@ pub(super) async fn plan_registration(
     tx: &mut Transaction<'_, Postgres>,
     new: &NewRegistration,
 ) -> Result<RegistrationPlan, QueryError> {
-    if let Some(head) = read_head(tx, &new.namespace, &new.project_id).await?
+    if let Some(head) = lock_and_read_head(tx, &new.namespace, &new.project_id).await?
         && let Some(master) = head.master()
     {
         let plan = RegistrationPlan::new(head.term, head.now, &[master], new);
@@ -300,35 +300,104 @@ pub(super) async fn write_decision(
     if let Some(change) = &decision.master_change {
         record_master_change(tx, namespace, project_id, decision.next.term, change).await?;
     }
-    let changed: Vec<NamespacedName> = status_changed(before, decision)
+    let changed = changed_names(namespace, before, decision, names, announced);
+    announce_changes(tx, namespace, project_id, &changed, None).await
+}
+
+/// The resources whose status `decision` changes, but `announced`.
+fn changed_names(
+    namespace: &str,
+    before: &ProjectState,
+    decision: &Decision,
+    names: &HashMap<Uuid, String>,
+    announced: Option<Uuid>,
+) -> Vec<NamespacedName> {
+    status_changed(before, decision)
         .into_iter()
         .filter(|id| Some(*id) != announced)
         .filter_map(|id| names.get(&id))
         .map(|name| NamespacedName::new(namespace, name.as_str()))
-        .collect();
-    refresh::announce(tx, refresh::Kind::Registration, &changed).await?;
-    announce_routing_change(tx, namespace, project_id).await
+        .collect()
+}
+
+/// Writes the newcomer's row and its election's decision (`announced`: as
+/// `write_decision`). A newcomer that joins as a peer, changing no one else's role — most
+/// registrations — is one statement: its row, the routing change and the refresh signals.
+/// Otherwise its row first (a promotion names it), then the decision.
+pub(super) async fn write_registration(
+    tx: &mut Transaction<'_, Postgres>,
+    new: &NewRegistration,
+    plan: &RegistrationPlan,
+    announced: Option<Uuid>,
+) -> Result<(), QueryError> {
+    let decision = &plan.decision;
+    let joins_as_peer = decision.master_change.is_none()
+        && decision.transitions.iter().all(|(id, t)| *id == new.id && matches!(t, Transition::JoinedAsPeer));
+    if joins_as_peer {
+        let changed = changed_names(&new.namespace, &plan.before, decision, &plan.names, announced);
+        return announce_changes(tx, &new.namespace, &new.project_id, &changed, Some((new, plan.now))).await;
+    }
+    insert_registration(tx, new, plan.now).await?;
+    write_decision(tx, &new.namespace, &new.project_id, &plan.before, decision, &plan.names, announced).await
 }
 
 /// Every decision written changes the project's routing table: its change count moves
-/// on, and every replica's watches of it are told at commit (SPEC §11).
-pub(super) async fn announce_routing_change(
+/// on, and every replica's watches of it are told at commit (SPEC §11); with the refresh
+/// signals of `changed`, and a newcomer's row first if given, in one statement (one round
+/// trip where there were up to three).
+async fn announce_changes(
     tx: &mut Transaction<'_, Postgres>,
     namespace: &str,
     project_id: &str,
+    changed: &[NamespacedName],
+    newcomer: Option<(&NewRegistration, DateTime<Utc>)>,
 ) -> Result<(), QueryError> {
-    sqlx::query(
-        "WITH bumped AS (
-             UPDATE controller_projects SET routing_seq = routing_seq + 1
-              WHERE namespace = $1 AND project_id = $2 RETURNING 1)
-         SELECT pg_notify($3, json_build_object('namespace', $1::text, 'project_id', $2::text)::text) FROM bumped",
-    )
+    macro_rules! announce {
+        () => {
+            "bumped AS (
+                 UPDATE controller_projects SET routing_seq = routing_seq + 1
+                  WHERE namespace = $1 AND project_id = $2 RETURNING 1)
+             SELECT pg_notify($3, json_build_object('namespace', $1::text, 'project_id', $2::text)::text) FROM bumped
+             UNION ALL SELECT pg_notify($4, p) FROM unnest($5::text[]) AS p"
+        };
+    }
+    let payloads = refresh::payloads(changed);
+    let Some((new, now)) = newcomer else {
+        sqlx::query(concat!("WITH ", announce!()))
+            .bind(namespace)
+            .bind(project_id)
+            .bind(crate::signals::PROJECTS)
+            .bind(refresh::Kind::Registration.channel())
+            .bind(&payloads)
+            .execute(&mut **tx)
+            .await
+            .step("announce the change")?;
+        return Ok(());
+    };
+    // Written whether or not the query reads it (a data-modifying WITH always runs); a
+    // violated unique index names itself as the separate insert's did (`Attempt`).
+    sqlx::query(concat!(
+        "WITH inserted AS (
+             INSERT INTO controller_registrations
+                 (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat, owner)
+             VALUES ($6, $1, $7, $2, $8, $9, $10, $10, $11)),
+         ",
+        announce!()
+    ))
     .bind(namespace)
     .bind(project_id)
     .bind(crate::signals::PROJECTS)
+    .bind(refresh::Kind::Registration.channel())
+    .bind(&payloads)
+    .bind(new.id)
+    .bind(&new.name)
+    .bind(&new.session_id)
+    .bind(new.surface)
+    .bind(now)
+    .bind(new.owner.as_deref())
     .execute(&mut **tx)
     .await
-    .step("announce the routing table's change")?;
+    .step("register: insert registration, announce the change")?;
     Ok(())
 }
 
