@@ -71,6 +71,19 @@ where
     F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = bool> + Send,
 {
+    window_paced(concurrency, length, None, op).await
+}
+
+/// `window` with each task calling at most once per `period` (its call `n` waits for
+/// `start + n * period`; the wait is not timed): clients at the pace real ones keep,
+/// rather than as fast as they can, so that a latency compared between two windows is
+/// not that of a machine the clients themselves saturate. A task that falls behind calls
+/// again at once.
+pub async fn window_paced<F, Fut>(concurrency: usize, length: Duration, period: Option<Duration>, op: F) -> Window
+where
+    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = bool> + Send,
+{
     let op = Arc::new(op);
     let latencies = Arc::new(Mutex::new(Vec::new()));
     let stopped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -82,6 +95,13 @@ where
                 let mut mine = Vec::new();
                 let mut n = 0u64;
                 while start.elapsed() < length {
+                    if let Some(period) = period {
+                        let slot = start + period.saturating_mul(u32::try_from(n).unwrap_or(u32::MAX));
+                        if slot >= start + length {
+                            break;
+                        }
+                        tokio::time::sleep_until(slot.into()).await;
+                    }
                     let t = Instant::now();
                     if !op(i, n).await {
                         stopped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
