@@ -37,6 +37,8 @@ use crate::streams::{Holder, Outbox, bounded};
 pub const KEEPALIVE: Duration = Duration::from_secs(15);
 /// The caller's token and rights are checked again this often.
 pub const RECHECK_EVERY: Duration = Duration::from_secs(15);
+/// How long a watch holding a turn waits for its connection to take the event.
+const TURN_WAIT: Duration = Duration::from_millis(5);
 /// A table that could not be read is tried again after this.
 const RETRY: Duration = Duration::from_secs(2);
 
@@ -178,20 +180,39 @@ impl Watch {
         let end = loop {
             // Armed before the read, so a change committed during it wakes the next one.
             let armed = waiter.armed();
+            // One read for every watch of the project woken by this change (they ask
+            // together); then they take turns putting it out (`streams::TURNS`), so that
+            // the replica's other requests go between them.
             let current = self.state.agents.routing_snapshot(&self.project.namespace, &self.project.project_id).await;
+            let turn = self.state.streams.turn().await;
             match current {
                 Ok(current) if last != Some(current.id) => {
                     // Made when the reader takes it: until then the stream keeps the
                     // snapshot every watch of the project shares, not a table of its own.
                     let id = current.id;
                     let session = self.session().map(str::to_string);
-                    if self.outbox.offer_later(move || routing_event(&current, session.as_deref())).await.is_err() {
+                    let offered = self.outbox.try_offer_later(move || routing_event(&current, session.as_deref()));
+                    if let Ok(None) = offered {
+                        // The turn passes once the connection took the event to write it
+                        // (or a moment passed): the writes of one change go out a few at
+                        // a time, not 1,000 queued at once.
+                        self.outbox.taken_within(TURN_WAIT).await;
+                    }
+                    // A reader not ready is waited for without the turn.
+                    drop(turn);
+                    let offered = match offered {
+                        Ok(None) => Ok(()),
+                        Ok(Some(pending)) => self.outbox.offer_pending(pending).await,
+                        Err(refused) => Err(refused),
+                    };
+                    if offered.is_err() {
                         break End::Quietly;
                     }
                     last = Some(id);
                 }
-                Ok(_) => {}
+                Ok(_) => drop(turn),
                 Err(error) => {
+                    drop(turn);
                     warn!(namespace = %self.project.namespace, project_id = %self.project.project_id, %error,
                           "watch: the routing table could not be read; trying again");
                     // A client that leaves (or a replica that stops) while Postgres is
