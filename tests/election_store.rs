@@ -413,3 +413,49 @@ async fn a_registration_reads_a_few_entries_however_many_are_live() {
     // Measured: 1.0 per registration; 72 with the plan of the head read that 0.2.0 had before.
     assert!(per_registration <= 20.0, "a registration reads a few entries, not the live set: {per_registration}");
 }
+
+/// A desktop preempts a master (SPEC §4): the old master steps down before the desktop's
+/// row takes its place (the single-master index), the term moves on and the history names
+/// both; a peer then joins the new master without changing it.
+#[tokio::test]
+async fn a_desktop_preempts_the_master_and_a_peer_joins_it() {
+    let db = TestDb::new().await;
+    let store = ElectionStore::new(db.pool.clone());
+    let code = reg("pre", "code", "P", "code-s", AgentSurface::ClaudeCode);
+    let desk = reg("pre", "desk", "P", "desk-s", AgentSurface::ClaudeDesktop);
+    let peer = reg("pre", "peer", "P", "peer-s", AgentSurface::Cursor);
+    let RegisterOutcome::Registered(first) = store.register(&code).await.expect("code") else { panic!("registered") };
+    assert_eq!((first.is_master, first.master_term), (true, Some(1)), "the first is master in term 1");
+    let RegisterOutcome::Registered(d) = store.register(&desk).await.expect("desk") else { panic!("registered") };
+    assert_eq!((d.is_master, d.master_term), (true, Some(2)), "the desktop preempts: term 2");
+    let RegisterOutcome::Registered(p) = store.register(&peer).await.expect("peer") else { panic!("registered") };
+    assert!(!p.is_master, "a peer");
+    let rows: Vec<(String, bool, bool, Option<i64>)> = sqlx::query_as(
+        "SELECT name, is_master, preempted, master_term FROM controller_registrations WHERE namespace = 'pre' ORDER BY name",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .expect("rows");
+    assert_eq!(
+        rows,
+        vec![
+            ("code".to_string(), false, true, Some(1)),
+            ("desk".to_string(), true, false, Some(2)),
+            ("peer".to_string(), false, false, None)
+        ]
+    );
+    let (term, master): (i64, Uuid) =
+        sqlx::query_as("SELECT term, master_id FROM controller_projects WHERE namespace = 'pre' AND project_id = 'P'")
+            .fetch_one(&db.pool)
+            .await
+            .expect("project");
+    assert_eq!((term, master), (2, desk.id));
+    let history: Vec<(i64, Uuid, Option<Uuid>)> = sqlx::query_as(
+        "SELECT term, master_id, previous_master_id FROM controller_election_events
+         WHERE namespace = 'pre' ORDER BY term",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .expect("history");
+    assert_eq!(history, vec![(1, code.id, None), (2, desk.id, Some(code.id))]);
+}

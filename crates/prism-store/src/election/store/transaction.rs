@@ -258,32 +258,6 @@ pub(super) async fn plan_registration(
     Ok(RegistrationPlan::new(term, now, &rows, new))
 }
 
-/// The registration row itself; a violated unique index tells the caller that the id is
-/// known or the session is live (see `Attempt`).
-pub(super) async fn insert_registration(
-    tx: &mut Transaction<'_, Postgres>,
-    new: &NewRegistration,
-    now: DateTime<Utc>,
-) -> Result<(), QueryError> {
-    sqlx::query(
-        "INSERT INTO controller_registrations
-             (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat, owner)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)",
-    )
-    .bind(new.id)
-    .bind(&new.namespace)
-    .bind(&new.name)
-    .bind(&new.project_id)
-    .bind(&new.session_id)
-    .bind(new.surface)
-    .bind(now)
-    .bind(new.owner.as_deref())
-    .execute(&mut **tx)
-    .await
-    .step("register: insert registration")?;
-    Ok(())
-}
-
 /// Writes a decision: the role changes, the change of master (if any), and the refresh
 /// signal for every resource whose status changed (except `announced`, which will
 /// refresh anyway).
@@ -321,9 +295,11 @@ fn changed_names(
 }
 
 /// Writes the newcomer's row and its election's decision (`announced`: as
-/// `write_decision`). A newcomer that joins as a peer, changing no one else's role — most
-/// registrations — is one statement: its row, the routing change and the refresh signals.
-/// Otherwise its row first (a promotion names it), then the decision.
+/// `write_decision`): the row, the routing change and the status signals in one
+/// statement, then any role changes and change of master. The row is written as a peer:
+/// a master it preempts names it (`preempted_by`) before stepping down, and only then
+/// may it be master (the single-master index); its own promotion is one of the role
+/// changes. A peer joining — most registrations — is the one statement alone.
 pub(super) async fn write_registration(
     tx: &mut Transaction<'_, Postgres>,
     new: &NewRegistration,
@@ -331,14 +307,14 @@ pub(super) async fn write_registration(
     announced: Option<Uuid>,
 ) -> Result<(), QueryError> {
     let decision = &plan.decision;
-    let joins_as_peer = decision.master_change.is_none()
-        && decision.transitions.iter().all(|(id, t)| *id == new.id && matches!(t, Transition::JoinedAsPeer));
-    if joins_as_peer {
-        let changed = changed_names(&new.namespace, &plan.before, decision, &plan.names, announced);
-        return announce_changes(tx, &new.namespace, &new.project_id, &changed, Some((new, plan.now))).await;
+    let changed = changed_names(&new.namespace, &plan.before, decision, &plan.names, announced);
+    let peer = Registration { is_master: false, master_term: None, ..plan.newcomer_row(new) };
+    announce_changes(tx, &new.namespace, &new.project_id, &changed, Some((&peer, new.owner.as_deref()))).await?;
+    write_transitions(tx, decision).await?;
+    if let Some(change) = &decision.master_change {
+        record_master_change(tx, &new.namespace, &new.project_id, decision.next.term, change).await?;
     }
-    insert_registration(tx, new, plan.now).await?;
-    write_decision(tx, &new.namespace, &new.project_id, &plan.before, decision, &plan.names, announced).await
+    Ok(())
 }
 
 /// Every decision written changes the project's routing table: its change count moves
@@ -350,7 +326,7 @@ async fn announce_changes(
     namespace: &str,
     project_id: &str,
     changed: &[NamespacedName],
-    newcomer: Option<(&NewRegistration, DateTime<Utc>)>,
+    newcomer: Option<(&Registration, Option<&str>)>,
 ) -> Result<(), QueryError> {
     macro_rules! announce {
         () => {
@@ -362,7 +338,7 @@ async fn announce_changes(
         };
     }
     let payloads = refresh::payloads(changed);
-    let Some((new, now)) = newcomer else {
+    let Some((row, owner)) = newcomer else {
         sqlx::query(concat!("WITH ", announce!()))
             .bind(namespace)
             .bind(project_id)
@@ -378,9 +354,9 @@ async fn announce_changes(
     // violated unique index names itself as the separate insert's did (`Attempt`).
     sqlx::query(concat!(
         "WITH inserted AS (
-             INSERT INTO controller_registrations
-                 (id, namespace, name, project_id, session_id, agent_surface, registered_at, last_heartbeat, owner)
-             VALUES ($6, $1, $7, $2, $8, $9, $10, $10, $11)),
+             INSERT INTO controller_registrations (id, namespace, name, project_id, session_id, agent_surface,
+                                                   registered_at, last_heartbeat, owner, is_master, master_term)
+             VALUES ($6, $1, $7, $2, $8, $9, $10, $10, $11, $12, $13)),
          ",
         announce!()
     ))
@@ -389,12 +365,14 @@ async fn announce_changes(
     .bind(crate::signals::PROJECTS)
     .bind(refresh::Kind::Registration.channel())
     .bind(&payloads)
-    .bind(new.id)
-    .bind(&new.name)
-    .bind(&new.session_id)
-    .bind(new.surface)
-    .bind(now)
-    .bind(new.owner.as_deref())
+    .bind(row.id)
+    .bind(&row.name)
+    .bind(&row.session_id)
+    .bind(row.agent_surface)
+    .bind(row.registered_at)
+    .bind(owner)
+    .bind(row.is_master)
+    .bind(row.master_term)
     .execute(&mut **tx)
     .await
     .step("register: insert registration, announce the change")?;
@@ -403,10 +381,7 @@ async fn announce_changes(
 
 /// Role changes in the decision's order (demotions and releases before promotions, so the
 /// single-master index is never violated).
-pub(super) async fn write_transitions(
-    tx: &mut Transaction<'_, Postgres>,
-    decision: &Decision,
-) -> Result<(), QueryError> {
+async fn write_transitions(tx: &mut Transaction<'_, Postgres>, decision: &Decision) -> Result<(), QueryError> {
     for (id, transition) in &decision.transitions {
         let update = match transition {
             Transition::Released { reason, .. } => sqlx::query(
