@@ -49,13 +49,8 @@ impl Frame {
     }
 
     /// The frame's length in bytes.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.parts.iter().map(Bytes::len).sum()
-    }
-
-    /// Never: every frame has at least its head.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The frame as text (tests and logs).
