@@ -31,8 +31,10 @@ excuse is as narrow as the writer it stands for; see `diff`):
   time of the second snapshot, and only the reaper's columns changed (crates/prism-store/src/run_registry/
   jobs.rs `reap`); or one whose cancel was requested longer than the cancel grace
   (`PRISM_JOB_CANCEL_GRACE_SECONDS`, 30 s) before the second snapshot, ended `cancelled`
-  by the reaper; and the `runtime_job_events` rows the database's trigger added for that
-  change.
+  by the reaper (which names the cause `grace`); the `runtime_job_events` rows the
+  database's trigger added for that change; and the namespace's `runtime_job_queue_counts`
+  (kept by a statement trigger, migration 20261206000005) by exactly the net number of
+  those jobs that entered or left `queued` in it (a requeue adds one).
 * `controller_registrations.resource_gone` of a row released before the request, going
   from false to true: the reconciler records that the released registration's resource is
   gone (its finalizer ran, or retention deleted it).
@@ -295,8 +297,19 @@ def diff(before: Snapshot, after: Snapshot, beats: dict[str, float] | None = Non
     beats = beats or {}
     out: list[str] = []
     reaped: set[str] = set()
-    # Jobs first: their events are excused only for the changes excused there.
-    tables = sorted(before.digests.keys() | after.digests.keys(), key=lambda t: (t == "runtime_job_events", t))
+    # namespace -> net change of its queued jobs by the excused reaper's changes, and the
+    # queue count rows' own change (compared once every row has been seen).
+    reaped_queued: dict[str, int] = {}
+    counted: dict[str, list[tuple[str, int, str]]] = {}
+    # Jobs first: their events and counts are excused only for the changes excused there.
+    follow_jobs = ("runtime_job_events", "runtime_job_queue_counts")
+    tables = sorted(before.digests.keys() | after.digests.keys(), key=lambda t: (t in follow_jobs, t))
+
+    def reap(b: dict[str, Any], a: dict[str, Any]) -> None:
+        reaped.add(str(b.get("id")))
+        net = (a.get("state") == "queued") - (b.get("state") == "queued")
+        ns = str(b.get("namespace"))
+        reaped_queued[ns] = reaped_queued.get(ns, 0) + net
     for table in tables:
         if before.digests.get(table) == after.digests.get(table):
             continue
@@ -306,6 +319,13 @@ def diff(before: Snapshot, after: Snapshot, beats: dict[str, float] | None = Non
             if b == a:
                 continue
             if table == "runtime_job_events" and b is None and str(a.get("job_id")) in reaped:
+                continue
+            if table == "runtime_job_queue_counts":
+                # Per namespace, below: a shard is a hash of the job's address.
+                row = a or b
+                delta = int((a or {}).get("queued") or 0) - int((b or {}).get("queued") or 0)
+                line = f"{table} {key}: queued: {_show(table, b, {'queued'})} -> {_show(table, a, {'queued'})}"
+                counted.setdefault(str(row.get("namespace")), []).append((key, delta, line))
                 continue
             if b is None or a is None:
                 out.append(f"{table} {key}: {'inserted' if b is None else 'deleted'}: {_show(table, a or b)}")
@@ -327,15 +347,20 @@ def diff(before: Snapshot, after: Snapshot, beats: dict[str, float] | None = Non
                 deadlines = [d for d in (_epoch(b.get("visible_at")), _epoch(b.get("deadline_at"))) if d is not None]
                 if b.get("state") in ("claimed", "running") and deadlines and min(deadlines) <= after.db_now:
                     if a.get("state") in ("queued", "failed", "cancelled"):
-                        reaped.add(str(b.get("id")))
+                        reap(b, a)
                         continue
-                # The reaper: in flight and asked to stop longer than the grace ago.
+            if table == "runtime_jobs" and cols <= REAPER_COLUMNS | {"cancel_cause"}:
+                # The reaper: in flight and asked to stop longer than the grace ago; the
+                # cause it names is the grace.
                 asked = _epoch(b.get("cancel_requested_at"))
                 if b.get("state") in ("claimed", "running") and asked is not None and asked + CANCEL_GRACE <= after.db_now:
-                    if a.get("state") == "cancelled":
-                        reaped.add(str(b.get("id")))
+                    if a.get("state") == "cancelled" and ("cancel_cause" not in cols or a.get("cancel_cause") == "grace"):
+                        reap(b, a)
                         continue
             out.append(f"{table} {key}: {', '.join(sorted(cols))}: {_show(table, b, cols)} -> {_show(table, a, cols)}")
+    for ns, rows in sorted(counted.items()):
+        if sum(delta for _, delta, _ in rows) != reaped_queued.get(ns, 0):
+            out.extend(line for _, _, line in rows)
     for name in sorted(before.resources.keys() | after.resources.keys()):
         b, a = before.resources.get(name), after.resources.get(name)
         if b == a:
@@ -425,11 +450,13 @@ def diff_selftest() -> list[str]:
 
     reg = {"id": "r1", "namespace": "ns", "session_id": "s1", "last_heartbeat": "2026-01-01T00:00:00+00:00"}
     beat = {**reg, "last_heartbeat": "2026-01-01T00:00:01+00:00"}
-    job = {"id": "j1", "state": "claimed", "visible_at": "1970-01-01T00:16:30+00:00", "payload": {}, "claimed_at": "x"}
+    job = {"id": "j1", "namespace": "ns", "state": "claimed", "visible_at": "1970-01-01T00:16:30+00:00", "payload": {}, "claimed_at": "x"}
     requeued = {**job, "state": "queued", "visible_at": None, "claimed_at": None}
     asked = {"id": "j2", "state": "running", "visible_at": "1970-01-01T00:20:00+00:00", "payload": {},
              "deadline_at": "1970-01-01T00:25:00+00:00", "cancel_requested_at": "1970-01-01T00:15:00+00:00"}
     graced = {**asked, "state": "cancelled", "visible_at": None, "deadline_at": None, "completed_at": "x"}
+    count = {"namespace": "ns", "shard": 14, "queued": 3}
+    other = {"namespace": "other", "shard": 14, "queued": 0}
     obj = {"metadata": {"name": "a", "uid": "u", "generation": 1, "finalizers": ["f"], "deletionTimestamp": "t"}}
     gone_finalizer = {"metadata": {**obj["metadata"], "finalizers": []}}
     cases = [  # (what, before, after, beats, caught?)
@@ -449,6 +476,24 @@ def diff_selftest() -> list[str]:
          snap({"runtime_jobs": {"j2": graced}}, {}, 101, 1000.0), {}, False),
         ("a cancel within the grace", snap({"runtime_jobs": {"j2": {**asked, "cancel_requested_at": "1970-01-01T00:16:30+00:00"}}}, {}),
          snap({"runtime_jobs": {"j2": {**graced, "cancel_requested_at": "1970-01-01T00:16:30+00:00"}}}, {}, 101, 1000.0), {}, True),
+        ("the reaper's cancel past the grace naming its cause",
+         snap({"runtime_jobs": {"j2": {**asked, "cancel_cause": "requested"}}}, {}),
+         snap({"runtime_jobs": {"j2": {**graced, "cancel_cause": "grace"}}}, {}, 101, 1000.0), {}, False),
+        ("a cancel past the grace naming another cause",
+         snap({"runtime_jobs": {"j2": {**asked, "cancel_cause": "requested"}}}, {}),
+         snap({"runtime_jobs": {"j2": {**graced, "cancel_cause": "expired"}}}, {}, 101, 1000.0), {}, True),
+        ("the reaper's requeue counted in its namespace",
+         snap({"runtime_jobs": {"j1": job}, "runtime_job_queue_counts": {"q": count}}, {}),
+         snap({"runtime_jobs": {"j1": requeued}, "runtime_job_queue_counts": {"q": {**count, "queued": 4}}}, {},
+              101, 1000.0), {}, False),
+        ("a count that moved more than the reaper's requeue",
+         snap({"runtime_jobs": {"j1": job}, "runtime_job_queue_counts": {"q": count}}, {}),
+         snap({"runtime_jobs": {"j1": requeued}, "runtime_job_queue_counts": {"q": {**count, "queued": 5}}}, {},
+              101, 1000.0), {}, True),
+        ("a count moved in another namespace than the reaper's requeue",
+         snap({"runtime_jobs": {"j1": job}, "runtime_job_queue_counts": {"q": count, "r": other}}, {}),
+         snap({"runtime_jobs": {"j1": requeued}, "runtime_job_queue_counts": {"q": count, "r": {**other, "queued": 1}}},
+              {}, 101, 1000.0), {}, True),
         ("a requeue that changes the payload", snap({"runtime_jobs": {"j1": job}}, {}),
          snap({"runtime_jobs": {"j1": {**requeued, "payload": {"x": 1}}}}, {}, 101, 1000.0), {}, True),
         ("a deleted resource's finalizer going", snap({}, {"c/ns/a": obj}), snap({}, {"c/ns/a": gone_finalizer}), {}, False),
