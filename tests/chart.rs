@@ -5,6 +5,8 @@ use prism_testkit as support;
 
 use std::process::Command;
 
+use kube::CustomResourceExt;
+
 use support::{assets_dir, control_plane, repo_root};
 
 fn helm_command(args: &[&str], kubeconfig: Option<&std::path::Path>) -> Command {
@@ -67,13 +69,49 @@ fn chart_lints_and_its_crds_are_the_generated_ones() {
     let (ok, out, err) = helm(&["lint", &chart()], None);
     assert!(ok, "helm lint: {out}{err}");
     for (file, yaml) in prism_operator::crd::crd_files().expect("crds") {
-        let in_chart =
-            std::fs::read_to_string(repo_root().join("charts/prism-operator/crds").join(&file)).unwrap_or_default();
+        let in_chart = std::fs::read_to_string(repo_root().join("charts/prism-operator/files/crds").join(&file))
+            .unwrap_or_default();
         assert!(
             in_chart == yaml,
-            "charts/prism-operator/crds/{file} differs: cp crds/*.yaml charts/prism-operator/crds/"
+            "charts/prism-operator/files/crds/{file} differs: cp crds/*.yaml charts/prism-operator/files/crds/"
         );
     }
+}
+
+/// A schema as JSON with every number a float: the chart's template reads the YAML
+/// (Helm decodes numbers as floats) and writes `minimum: 0` where crdgen wrote `0.0`.
+fn numbers_as_floats(v: serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) => n.as_f64().map(Value::from).unwrap_or(Value::Number(n)),
+        Value::Array(a) => Value::Array(a.into_iter().map(numbers_as_floats).collect()),
+        Value::Object(o) => Value::Object(o.into_iter().map(|(k, v)| (k, numbers_as_floats(v))).collect()),
+        other => other,
+    }
+}
+
+#[test]
+fn the_crds_are_templates_that_follow_the_release_and_are_kept() {
+    let docs = render(&[]);
+    let crds: Vec<&serde_yaml::Value> = docs.iter().filter(|d| d["kind"] == "CustomResourceDefinition").collect();
+    assert_eq!(crds.len(), 2, "both CRDs render from templates: {:?}", kinds(&docs));
+    for crd in [prism_operator::crd::ControllerRegistration::crd(), prism_operator::crd::RunSession::crd()] {
+        let name = crd.metadata.name.clone().expect("name");
+        let rendered = crds.iter().find(|d| d["metadata"]["name"] == name.as_str()).expect("rendered");
+        let meta = &rendered["metadata"];
+        assert_eq!(meta["annotations"]["helm.sh/resource-policy"], "keep", "helm uninstall keeps {name}");
+        assert_eq!(meta["labels"]["helm.sh/chart"].as_str().map(|c| c.starts_with("prism-operator-")), Some(true));
+        let mut rendered: serde_json::Value = serde_json::to_value(rendered).expect("json");
+        rendered["metadata"] = serde_json::json!({"name": name});
+        let generated = serde_json::to_value(&crd).expect("json");
+        assert_eq!(numbers_as_floats(rendered), numbers_as_floats(generated), "{name} renders as crdgen makes it");
+    }
+    let without = render(&["--set", "crds.install=false"]);
+    assert!(without.iter().all(|d| d["kind"] != "CustomResourceDefinition"), "crds.install=false renders no CRD");
+    assert!(
+        !repo_root().join("charts/prism-operator/crds").exists(),
+        "a crds/ folder is installed once and never upgraded by Helm: the CRDs are templates"
+    );
 }
 
 #[test]
@@ -351,6 +389,7 @@ fn rbac_grants_what_is_used_and_follows_the_watched_namespace() {
     );
     assert_eq!(verbs_on(&cluster, "tokenreviews"), ["create"]);
     assert_eq!(verbs_on(&cluster, "events"), ["create", "patch"]);
+    assert_eq!(verbs_on(&cluster, "customresourcedefinitions"), ["get"], "its CRDs read at start, nothing else");
     assert!(find(&docs, "Role", "prism-prism-operator").is_none());
 
     let docs = render(&["--set", "config.watchNamespace=team-a"]);
@@ -358,8 +397,8 @@ fn rbac_grants_what_is_used_and_follows_the_watched_namespace() {
     let resources: Vec<&str> = cluster.iter().map(|(r, _)| r.as_str()).collect();
     assert_eq!(
         resources,
-        ["tokenreviews", "subjectaccessreviews"],
-        "only the cluster-scoped reviews stay cluster-wide"
+        ["tokenreviews", "subjectaccessreviews", "customresourcedefinitions"],
+        "only the cluster-scoped reviews and the read of its own CRDs stay cluster-wide"
     );
     let role = find(&docs, "Role", "prism-prism-operator").expect("a Role in the watched namespace");
     assert_eq!(role["metadata"]["namespace"], "team-a");
@@ -397,8 +436,22 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
     let client = cp.client().await;
     let ns = support::namespace(&client, "helm").await;
     let chart = chart();
+    // The test binary's control plane has the CRDs already (not the release's):
+    // tests/crd_lifecycle.rs installs them with a release.
     let (ok, out, err) = helm_async(
-        &["install", "prism", chart.as_str(), "--namespace", &ns, "--set", "demo.enabled=true", "--set", "replicas=2"],
+        &[
+            "install",
+            "prism",
+            chart.as_str(),
+            "--namespace",
+            &ns,
+            "--set",
+            "demo.enabled=true",
+            "--set",
+            "replicas=2",
+            "--set",
+            "crds.install=false",
+        ],
         Some(&cp.kubeconfig),
     )
     .await;
@@ -480,7 +533,19 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
     let before = secrets().await;
     assert!(before[0].contains("ca.crt") && before[2].contains("password"), "{before:?}");
     let (ok, out, err) = helm_async(
-        &["upgrade", "prism", chart.as_str(), "--namespace", &ns, "--set", "demo.enabled=true", "--set", "replicas=2"],
+        &[
+            "upgrade",
+            "prism",
+            chart.as_str(),
+            "--namespace",
+            &ns,
+            "--set",
+            "demo.enabled=true",
+            "--set",
+            "replicas=2",
+            "--set",
+            "crds.install=false",
+        ],
         Some(&cp.kubeconfig),
     )
     .await;
@@ -525,6 +590,9 @@ async fn with_a_watched_namespace_the_operator_may_act_there_only() {
             "admissionPolicy.enabled=false",
             "--set",
             "tls.secretName=scoped-cert",
+            // The test binary's control plane has the CRDs already (not the release's).
+            "--set",
+            "crds.install=false",
         ],
         Some(&cp.kubeconfig),
     )

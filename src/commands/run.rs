@@ -32,6 +32,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // Everything checked before anything connects: the operator's settings, then the API's.
     args.validate()?;
     let settings = args.api.read()?;
+    // Before anything else connects: a stale CRD is the chart's to fix, and says so.
+    check_crds(&kube_client().await?).await?;
     // Two pools: the HTTP API's, and the controllers' and background loops' (SPEC §12: a
     // flood of API calls cannot starve the election's reconciles, and /readyz does not
     // fail because the API pool is busy).
@@ -194,6 +196,34 @@ async fn kube_client() -> anyhow::Result<kube::Client> {
     kube::Client::try_default()
         .await
         .context("cannot build a Kubernetes client (in cluster: service account; outside: KUBECONFIG)")
+}
+
+/// SPEC §15: the operator does not run against a CRD older than its build (the API
+/// server would prune the fields it writes); the error names the CRD and what it lacks.
+/// An API server that does not answer yet is asked again for a minute.
+async fn check_crds(client: &kube::Client) -> anyhow::Result<()> {
+    use prism_kube::crd_check::{Checked, CrdCheckError, check_served};
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match check_served(client.clone()).await {
+            Ok(Checked::Current) => {
+                info!("the served CRDs carry this build's schema");
+                return Ok(());
+            }
+            Ok(Checked::NotAllowed { name }) => {
+                warn!(
+                    crd = %name,
+                    "the served CRDs were not compared with this build's: reading CRDs is not allowed (a ClusterRole older than this release?)"
+                );
+                return Ok(());
+            }
+            Err(CrdCheckError::Read { name, source }) if tokio::time::Instant::now() < deadline => {
+                warn!(crd = %name, error = %source, "reading a CRD failed; trying again");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Controllers, the stale sweep, the job reaper and the registry watch: on the Lease

@@ -104,7 +104,11 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 
 /// Everything outside `/api/v1` that needs no state of its own at build time.
 fn service_routes() -> Router<Arc<AppState>> {
-    Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz)).route("/metrics", get(metrics))
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/version", get(version))
 }
 
 /// Every route but `/mcp` (whose endpoint is built from the state), before the state is
@@ -178,6 +182,12 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     (headers, state.metrics.render()).into_response()
 }
 
+/// The release this replica runs (SPEC §15): during a rolling upgrade or a rollback the
+/// replicas behind one Service answer with their own. No token, like `/healthz`.
+async fn version() -> Response {
+    Json(serde_json::json!({"version": prism_core::release::VERSION})).into_response()
+}
+
 /// Liveness: the process serves requests. Dependencies are /readyz's business.
 async fn healthz() -> &'static str {
     "ok"
@@ -194,4 +204,16 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Response {
 /// whatever features dependencies enable. Idempotent; call before building clients.
 pub fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test]
+    async fn version_answers_the_release() {
+        let response = super::version().await;
+        assert_eq!(response.status(), axum::http::StatusCode::OK);
+        let body = axum::body::to_bytes(response.into_body(), 1024).await.expect("body");
+        let json: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(json, serde_json::json!({"version": env!("CARGO_PKG_VERSION")}));
+    }
 }

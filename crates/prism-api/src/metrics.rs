@@ -63,6 +63,11 @@ pub struct Metrics {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabels {
     pub state: String,
 }
@@ -110,6 +115,11 @@ impl Default for Metrics {
         let mcp_tool_calls = Family::<ToolCallLabels, Counter>::default();
         let up = Family::<DependencyLabels, Gauge>::default();
         let tls_reloads_refused = Counter::default();
+        // 1, labelled with the release: during a rolling upgrade each replica's scrape
+        // says which version answered (SPEC §15).
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        build_info.get_or_create(&BuildLabels { version: prism_core::release::VERSION }).set(1);
+        registry.register("build_info", "The release this replica runs (label version), always 1", build_info);
         registry.register(
             "tls_reloads_refused",
             "TLS certificate files that changed but were not served (not valid now, not for the served names, unusable); the previous certificate is served",
@@ -274,5 +284,15 @@ impl crate::reconcilers::ReconcileMetrics for Metrics {
         if n > 0 {
             self.job_attempts.get_or_create(&OutcomeLabels { outcome: outcome.to_string() }).inc_by(n);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_scrape_says_which_release_answered() {
+        let text = super::Metrics::default().render();
+        let line = format!("prism_build_info{{version=\"{}\"}} 1", prism_core::release::VERSION);
+        assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
     }
 }

@@ -8,6 +8,7 @@
 pub mod election;
 pub mod limits;
 pub mod proof;
+pub mod release;
 pub mod run;
 pub mod store;
 mod text_enum;

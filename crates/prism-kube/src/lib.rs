@@ -6,6 +6,7 @@
 //! API server (`cargo test -p prism-kube`), beside the real-service suites.
 
 pub mod crd;
+pub mod crd_check;
 pub mod leader;
 pub mod projection;
 pub mod reconcilers;

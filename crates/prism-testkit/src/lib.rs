@@ -13,6 +13,7 @@
 //! Go bridge and configures the API server without RBAC and ServiceAccount token issuing,
 //! which the operator's TokenReview/SubjectAccessReview paths need).
 pub mod faults;
+pub mod releases;
 pub mod runs;
 
 use std::collections::BTreeSet;
