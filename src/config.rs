@@ -53,6 +53,28 @@ pub enum Command {
     /// Durable jobs of Runs (list, get, cancel), through the operator's HTTP API.
     #[command(subcommand)]
     Jobs(JobsCommand),
+    /// An agent's round trip through a running operator: readyz, register, status, fence,
+    /// wrap (what the chart's `helm test` Pod runs).
+    Selftest(SelftestArgs),
+}
+
+/// `selftest`: where the API is and who calls it.
+#[derive(Debug, Args)]
+pub struct SelftestArgs {
+    /// The operator's HTTP API.
+    #[arg(long, env = "PRISM_API", default_value = "http://127.0.0.1:8080")]
+    pub api: String,
+    /// A file holding the bearer token: a ServiceAccount token for the operator's
+    /// audience (in a Pod, a projected token volume).
+    #[arg(long, env = "PRISM_TOKEN_FILE", default_value = "/var/run/secrets/prism/token")]
+    pub token_file: PathBuf,
+    /// A CA certificate (PEM) to trust beside the system's; skipped with a note when the
+    /// file is absent (a TLS Secret without ca.crt).
+    #[arg(long, env = "PRISM_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
+    /// The namespace to register in (the caller may create ControllerRegistrations there).
+    #[arg(short, long)]
+    pub namespace: String,
 }
 
 /// How the CLI reaches the operator's HTTP API (not the Kubernetes API).

@@ -1,7 +1,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use prism_operator::commands::{credential, demo_run, jobs, run as run_cmd, status};
+use prism_operator::commands::{credential, demo_run, jobs, run as run_cmd, selftest, status};
 use prism_operator::config::{Cli, Command, CredentialCommand};
 use prism_operator::{crd, db, telemetry};
 
@@ -68,7 +68,7 @@ async fn operator_main() -> ExitCode {
     // Before any client is built, the OTLP exporter's included.
     prism_operator::install_crypto_provider();
     // Kept to the end: dropping it sends the traces still buffered.
-    let _telemetry = if matches!(cli.command, Command::Jobs(_)) {
+    let _telemetry = if matches!(cli.command, Command::Jobs(_) | Command::Selftest(_)) {
         telemetry::init_client(cli.log.log_format);
         None
     } else {
@@ -115,6 +115,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             status::run(&project_id, namespace, output, watch).await?
         }
         Command::Jobs(command) => jobs::run(command).await?,
+        Command::Selftest(args) => selftest::run(args).await?,
     }
     Ok(())
 }

@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
@@ -14,13 +13,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::config::{ApiClientArgs, JobsCancelArgs, JobsCommand, JobsGetArgs, JobsListArgs, OutputFormat};
-use crate::run_client;
+use super::api_client::{Api, one_line};
+pub use super::api_client::{ApiError, api_error, api_url};
+use crate::config::{JobsCancelArgs, JobsCommand, JobsGetArgs, JobsListArgs, OutputFormat};
 use crate::time::age;
-
-/// How long one API request may take before the CLI gives up (the API's own request
-/// timeout is 30 s, SPEC §12).
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(35);
 
 /// A job as the API answers it (SPEC §8). Fields beyond these are kept in `extra` and
 /// printed again by `-o json|yaml`; the optional ones are optional so that an older or
@@ -79,61 +75,6 @@ pub struct JobPage {
     pub jobs: Vec<Job>,
     #[serde(default)]
     pub next_cursor: Option<String>,
-}
-
-/// A refusal of the API, `{"error": {"code", "message"}}` (SPEC §6); shown as
-/// `error: <code>: <message>`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{code}: {message}")]
-pub struct ApiError {
-    pub status: u16,
-    pub code: String,
-    pub message: String,
-}
-
-/// The API's error answer `body` with HTTP `status`, as one line. An answer that is not the
-/// API's (a proxy's HTML page) still gives a code: `http_<status>`.
-pub fn api_error(status: StatusCode, body: &[u8]) -> ApiError {
-    #[derive(Deserialize)]
-    struct Body {
-        error: Detail,
-    }
-    #[derive(Deserialize)]
-    struct Detail {
-        code: String,
-        #[serde(default)]
-        message: String,
-    }
-    match serde_json::from_slice::<Body>(body) {
-        Ok(Body { error }) if !error.code.trim().is_empty() => {
-            ApiError { status: status.as_u16(), code: one_line(&error.code), message: one_line(&error.message) }
-        }
-        _ => ApiError {
-            status: status.as_u16(),
-            code: format!("http_{}", status.as_u16()),
-            message: format!(
-                "{} (the answer is not the operator API's)",
-                status.canonical_reason().unwrap_or("unexpected status")
-            ),
-        },
-    }
-}
-
-/// Text from the server as one line of a terminal: control characters (newlines, escape
-/// sequences a Run could put in an error) become spaces.
-fn one_line(s: &str) -> String {
-    s.chars().map(|c| if c.is_control() { ' ' } else { c }).collect::<String>().trim().to_string()
-}
-
-/// `--api` with `segments` appended to its path (an API behind a path prefix keeps it).
-pub fn api_url(api: &str, segments: &[&str]) -> anyhow::Result<Url> {
-    let bad = || format!("--api / PRISM_API {api:?} is not an http:// or https:// URL");
-    let mut url = Url::parse(api.trim()).with_context(bad)?;
-    anyhow::ensure!(matches!(url.scheme(), "http" | "https") && url.host().is_some(), bad());
-    url.set_query(None);
-    url.set_fragment(None);
-    url.path_segments_mut().map_err(|()| anyhow::anyhow!(bad()))?.pop_if_empty().extend(segments);
-    Ok(url)
 }
 
 /// What `jobs list` asks for: the query of `GET /api/v1/runtime/jobs`.
@@ -280,56 +221,6 @@ fn emit(text: &str) -> anyhow::Result<()> {
     }
 }
 
-/// The client side of one command: where the API is, the token, the HTTP client.
-struct Api {
-    base: String,
-    token: String,
-    http: reqwest::Client,
-}
-
-impl Api {
-    fn new(args: &ApiClientArgs) -> anyhow::Result<Api> {
-        let token = args.token.trim();
-        anyhow::ensure!(!token.is_empty(), "the token (--token, PRISM_TOKEN) is empty");
-        // Never echoed: a bad token is named, not printed.
-        anyhow::ensure!(
-            token.chars().all(|c| c.is_ascii_graphic()),
-            "the token (--token, PRISM_TOKEN) has characters a bearer token cannot have"
-        );
-        // Checked before anything is sent, so a typo is named as such.
-        api_url(&args.api, &[])?;
-        let http = run_client::http_client(args.ca_cert.as_deref())?;
-        Ok(Api { base: args.api.trim().to_string(), token: token.to_string(), http })
-    }
-
-    /// Sends `request` with the token; a refusal is an `ApiError`; the success status and body.
-    async fn send(&self, request: reqwest::RequestBuilder) -> anyhow::Result<(StatusCode, Vec<u8>)> {
-        let response = request
-            .bearer_auth(&self.token)
-            .timeout(REQUEST_TIMEOUT)
-            .send()
-            .await
-            .with_context(|| format!("cannot reach the operator's API at {}", self.base))?;
-        let status = response.status();
-        let body = response.bytes().await.with_context(|| format!("reading the answer of {}", self.base))?.to_vec();
-        if !status.is_success() {
-            return Err(api_error(status, &body).into());
-        }
-        Ok((status, body))
-    }
-
-    async fn get<T: serde::de::DeserializeOwned>(&self, url: Url, what: &str) -> anyhow::Result<T> {
-        let (_, body) = self.send(self.http.get(url)).await?;
-        decode(&body, what)
-    }
-}
-
-/// The API's answer as `T`; a mismatch names the field.
-fn decode<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> anyhow::Result<T> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| anyhow::anyhow!("the API's answer is not {what}: {e}"))
-}
-
 pub async fn run(command: JobsCommand) -> anyhow::Result<()> {
     match command {
         JobsCommand::List(args) => list(args).await,
@@ -395,6 +286,7 @@ async fn cancel(args: JobsCancelArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::commands::api_client::decode;
     use serde_json::json;
 
     fn wire_job(id: u128, state: &str) -> Value {
