@@ -324,6 +324,10 @@ pub struct RunArgs {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "PRISM_WATCH_NAMESPACE")]
     pub watch_namespace: Option<String>,
+    /// The ConfigMap (in the operator's namespace, POD_NAMESPACE) that keeps how far the
+    /// election history went, so that a restored database never reissues a term (SPEC §15).
+    #[arg(long, env = "PRISM_TERM_MARK", default_value = "prism-operator-terms")]
+    pub term_mark: String,
     /// Released registrations' resources are deleted this many hours after their release.
     #[arg(long, env = "PRISM_RELEASED_RETENTION_HOURS", default_value_t = 24,
           value_parser = clap::value_parser!(u32).range(1..=87_600))]

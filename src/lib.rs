@@ -27,4 +27,5 @@ pub mod config;
 pub use prism_store::db;
 pub use prism_store::json_int;
 pub mod telemetry;
+pub mod term_guard;
 pub use prism_kube::time;

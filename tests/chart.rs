@@ -608,8 +608,12 @@ async fn with_a_watched_namespace_the_operator_may_act_there_only() {
     assert_eq!(can("create", "events.events.k8s.io", &team).await, "yes");
     for elsewhere in ["default", ns.as_str()] {
         assert_eq!(can("list", "controllerregistrations.prism.ntecdev.ai", elsewhere).await, "no", "{elsewhere}");
-        assert_eq!(can("create", "events.events.k8s.io", elsewhere).await, "no", "{elsewhere}");
     }
+    assert_eq!(can("create", "events.events.k8s.io", "default").await, "no");
+    // Its own namespace: the term mark (a ConfigMap) and the Event of a restore (SPEC §15).
+    assert_eq!(can("create", "events.events.k8s.io", &ns).await, "yes");
+    assert_eq!(can("update", "configmaps", &ns).await, "yes");
+    assert_eq!(can("update", "configmaps", "default").await, "no");
     assert_eq!(can("create", "tokenreviews.authentication.k8s.io", "default").await, "yes");
     assert_eq!(can("create", "subjectaccessreviews.authorization.k8s.io", "default").await, "yes");
     // The user's Secret is theirs: the chart made none.

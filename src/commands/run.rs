@@ -46,6 +46,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let kube = kube_client().await?;
     let api_kube = kube_client().await?;
     let lease_kube = kube_client().await?;
+    // SPEC §15: before anything elects or answers, a database that forgot terms it
+    // issued (a restore) is raised above every term seen; then the mark follows it.
+    let operator_namespace = std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "default".into());
+    let mut term_guard = crate::term_guard::TermGuard::new(
+        kube.clone(),
+        &operator_namespace,
+        &args.term_mark,
+        crate::election::restore::RestoreGuard::new(controller_pool.clone()),
+    );
+    term_guard.check_at_start(args.watch_namespace.as_deref()).await?;
     let metrics = Arc::new(Metrics::default());
     let quotas = crate::election::Quotas {
         per_owner: settings.max_sessions_per_identity,
@@ -134,6 +144,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         signals: signals.clone(),
         streams,
     });
+    let term_mark = tokio::spawn(term_guard.keep(stop_rx.clone()));
     tokio::spawn(async move {
         shutdown_signal().await;
         // Receivers live as long as the server and the leader loop; none left is fine.
@@ -141,6 +152,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     serve_api(listen, (max_connections, max_connections_per_address), tls, state, stop_rx).await?;
     info!("HTTP API stopped: waiting claims answered, watches and MCP streams ended");
+    // The last changes in the mark (bounded: the mark is written within a second anyway).
+    let _ = tokio::time::timeout(Duration::from_secs(5), term_mark).await;
     let _ = lease_stop_tx.send(true);
     if let Some(leading) = leading {
         // Bounded: a Lease that cannot be written now expires by itself.

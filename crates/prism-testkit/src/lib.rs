@@ -489,6 +489,12 @@ pub fn operator_binary() -> PathBuf {
     }
 }
 
+/// The term mark (a ConfigMap name) of the operators on the database at `url`.
+pub fn term_mark_of(url: &str) -> String {
+    let db = url.rsplit('/').next().unwrap_or_default().split('?').next().unwrap_or_default();
+    format!("terms-{}", db.to_ascii_lowercase().replace('_', "-"))
+}
+
 /// A `prism-operator run` process of the test's own, watching one namespace, killed on drop.
 pub struct Operator {
     pub base: String,
@@ -524,6 +530,9 @@ impl Operator {
                 // and the operator trusts the owner annotation it guards, as the chart
                 // configures it.
                 .env("PRISM_TRUST_OWNER_ANNOTATION", chart_mode().to_string())
+                // The term mark of this test's database: the tests share a control
+                // plane and a namespace, each its own database (SPEC §15).
+                .env("PRISM_TERM_MARK", term_mark_of(database_url))
                 .envs(env.iter().copied())
                 .stdin(Stdio::null())
                 .stdout(out)

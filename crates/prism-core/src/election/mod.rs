@@ -2,6 +2,7 @@
 //! (SPEC §4), as one pure function.
 
 pub mod registration;
+pub mod restore;
 pub mod rules;
 
 pub use registration::{NewRegistration, ProjectView, Pruned, Quota, RegisterOutcome, Registration};

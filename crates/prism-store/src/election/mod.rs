@@ -3,6 +3,7 @@
 //! fresh.
 
 pub mod heartbeat;
+pub mod restore;
 pub mod roles;
 pub mod shared_reads;
 pub mod store;
