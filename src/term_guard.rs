@@ -106,8 +106,22 @@ impl TermGuard {
     }
 
     /// The check at start (see the module's doc). `watch_namespace`: where the
-    /// registrations are (all namespaces when `None`).
+    /// registrations are (all namespaces when `None`). Replicas starting together race
+    /// to write the mark: the one that loses reads it again and checks again.
     pub async fn check_at_start(&mut self, watch_namespace: Option<&str>) -> anyhow::Result<()> {
+        let mut attempt = 1;
+        loop {
+            match self.check_once(watch_namespace).await {
+                Err(e) if attempt < 5 && is_conflict(&e) => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(100 * attempt)).await;
+                }
+                done => return done,
+            }
+        }
+    }
+
+    async fn check_once(&mut self, watch_namespace: Option<&str>) -> anyhow::Result<()> {
         let mark = self.read().await?;
         let db = self.store.history().await.context("reading the election history")?;
         let status = highest_status_term(&self.client, watch_namespace).await?;
@@ -180,6 +194,11 @@ impl TermGuard {
         }
         Ok(())
     }
+}
+
+/// A write of the mark lost to another replica's (409: created or changed meanwhile).
+fn is_conflict(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| matches!(c.downcast_ref::<kube::Error>(), Some(kube::Error::Api(s)) if s.code == 409))
 }
 
 /// The highest `status.term` of any registration (pages of 500: once, at start).
