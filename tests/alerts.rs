@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kube::Api;
 use kube::api::PostParams;
 use prism_operator::crd::{AgentSurface, ControllerRegistration};
-use support::{ControlPlane, Operator, TestDb, assets_dir, control_plane, creg, eventually, repo_root};
+use support::{ControlPlane, Operator, TestDb, control_plane, creg, eventually, repo_root};
 
 /// The alerts SPEC §15 and the issue ask for. There is no approvals alert: the operator
 /// has no approvals and exports no approval metric.
@@ -41,14 +41,7 @@ const PROMETHEUS_SERIES: [&str; 1] = ["up"];
 const TARGET_LABELS: [&str; 7] = ["job", "namespace", "instance", "pod", "service", "endpoint", "container"];
 
 fn helm(args: &[&str]) -> (bool, String, String) {
-    let tmp = std::env::temp_dir();
-    let out = Command::new(assets_dir().join("helm"))
-        .args(args)
-        .env("HELM_CACHE_HOME", tmp.join("prism-helm-cache"))
-        .env("HELM_CONFIG_HOME", tmp.join("prism-helm-config"))
-        .env("HELM_DATA_HOME", tmp.join("prism-helm-data"))
-        .output()
-        .expect("helm runs (scripts/envtest-assets builds it)");
+    let out = support::helm_command().args(args).output().expect("helm runs (scripts/envtest-assets builds it)");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -7,13 +7,11 @@ use std::process::Command;
 
 use kube::CustomResourceExt;
 
-use support::{assets_dir, control_plane, repo_root};
+use support::{control_plane, repo_root};
 
 fn helm_command(args: &[&str], kubeconfig: Option<&std::path::Path>) -> Command {
-    let mut cmd = Command::new(assets_dir().join("helm"));
-    cmd.args(args).env("HELM_CACHE_HOME", std::env::temp_dir().join("prism-helm-cache"));
-    cmd.env("HELM_CONFIG_HOME", std::env::temp_dir().join("prism-helm-config"));
-    cmd.env("HELM_DATA_HOME", std::env::temp_dir().join("prism-helm-data"));
+    let mut cmd = support::helm_command();
+    cmd.args(args);
     if let Some(k) = kubeconfig {
         cmd.env("KUBECONFIG", k);
     }

@@ -40,14 +40,7 @@ fn chart() -> String {
 
 /// helm with homes of its own (no user's repositories or plugins), as tests/chart.rs runs it.
 fn helm(args: &[String]) -> Result<String, String> {
-    let home = std::env::temp_dir().join("prism-helm-schemas");
-    let out = Command::new(assets_dir().join("helm"))
-        .args(args)
-        .env("HELM_CACHE_HOME", home.join("cache"))
-        .env("HELM_CONFIG_HOME", home.join("config"))
-        .env("HELM_DATA_HOME", home.join("data"))
-        .output()
-        .expect("helm runs (scripts/envtest-assets builds it)");
+    let out = support::helm_command().args(args).output().expect("helm runs (scripts/envtest-assets builds it)");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     if out.status.success() { Ok(stdout) } else { Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr))) }
 }

@@ -14,21 +14,14 @@ use std::time::Duration;
 
 use kube::CustomResourceExt;
 use support::releases;
-use support::{TestDb, assets_dir, control_plane, repo_root};
+use support::{TestDb, control_plane, repo_root};
 
 const CRDS: [&str; 2] = ["controllerregistrations.prism.ntecdev.ai", "runsessions.prism.ntecdev.ai"];
 
 async fn helm(args: &[&str], kubeconfig: &Path) -> (bool, String) {
-    let tmp = std::env::temp_dir();
-    let out = tokio::process::Command::new(assets_dir().join("helm"))
-        .args(args)
-        .env("KUBECONFIG", kubeconfig)
-        .env("HELM_CACHE_HOME", tmp.join("prism-helm-cache"))
-        .env("HELM_CONFIG_HOME", tmp.join("prism-helm-config"))
-        .env("HELM_DATA_HOME", tmp.join("prism-helm-data"))
-        .output()
-        .await
-        .expect("helm runs");
+    let mut helm = support::helm_command();
+    helm.args(args).env("KUBECONFIG", kubeconfig);
+    let out = tokio::process::Command::from(helm).output().await.expect("helm runs");
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 

@@ -6,17 +6,15 @@ use prism_testkit as support;
 
 use kube::Api;
 use kube::api::ListParams;
-use support::{Operator, TestDb, assets_dir, control_plane, repo_root};
+use support::{Operator, TestDb, control_plane, repo_root};
 
 use prism_operator::crd::ControllerRegistration;
 
 /// The verbs the chart's test Role grants on controllerregistrations.
 fn chart_test_verbs() -> Vec<String> {
-    let out = std::process::Command::new(assets_dir().join("helm"))
+    let out = support::helm_command()
         .args(["template", "prism", repo_root().join("charts/prism-operator").to_str().expect("utf-8")])
         .args(["--show-only", "templates/tests/selftest.yaml"])
-        .env("HELM_CACHE_HOME", std::env::temp_dir().join("prism-helm-cache"))
-        .env("HELM_CONFIG_HOME", std::env::temp_dir().join("prism-helm-config"))
         .output()
         .expect("helm runs");
     assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));

@@ -192,15 +192,25 @@ pub fn chart_mode() -> bool {
 /// The namespace the operator "runs in" (its Lease lives there).
 pub const OPERATOR_NAMESPACE: &str = "prism-system";
 
+/// helm from the test assets, with homes of its own (no user's repositories, plugins or
+/// registry logins): every suite that renders or installs the chart runs it so.
+pub fn helm_command() -> std::process::Command {
+    let home = std::env::temp_dir().join("prism-helm");
+    let mut cmd = std::process::Command::new(assets_dir().join("helm"));
+    cmd.env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_DATA_HOME", home.join("data"));
+    cmd
+}
+
 /// Installs the chart's ServiceAccount and RBAC (rendered by helm, as a user's install
 /// would) and returns a kubeconfig authenticating as that ServiceAccount.
 async fn chart_rbac_kubeconfig(cp: &ControlPlane, dir: &Path) -> PathBuf {
     let chart = repo_root().join("charts/prism-operator");
-    let out = Command::new(assets_dir().join("helm"))
+    let mut helm = Command::from(helm_command());
+    let out = helm
         .args(["template", "prism", chart.to_str().expect("utf-8"), "--namespace", OPERATOR_NAMESPACE])
         .args(["--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac.yaml"])
-        .env("HELM_CACHE_HOME", dir.join("helm-cache"))
-        .env("HELM_CONFIG_HOME", dir.join("helm-config"))
         .output()
         .await
         .expect("helm template");
