@@ -436,23 +436,13 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
     let chart = chart();
     // The test binary's control plane has the CRDs already (not the release's):
     // tests/crd_lifecycle.rs installs them with a release.
-    let (ok, out, err) = helm_async(
-        &[
-            "install",
-            "prism",
-            chart.as_str(),
-            "--namespace",
-            &ns,
-            "--set",
-            "demo.enabled=true",
-            "--set",
-            "replicas=2",
-            "--set",
-            "crds.install=false",
-        ],
-        Some(&cp.kubeconfig),
-    )
-    .await;
+    let release = |verb: &'static str| {
+        let args = [verb, "prism", chart.as_str(), "--namespace", &ns, "--set", "demo.enabled=true"];
+        let more = ["--set", "replicas=2", "--set", "crds.install=false"];
+        let args: Vec<&str> = args.into_iter().chain(more).collect();
+        async move { helm_async(&args, Some(&cp.kubeconfig)).await }
+    };
+    let (ok, out, err) = release("install").await;
     assert!(ok, "helm install: {out}{err}");
     assert!(out.contains("kubectl get prism"), "NOTES tell what to run next: {out}");
     let deploys = cp.kubectl_ok(&["get", "deploy", "-n", &ns, "-o", "name"]).await;
@@ -530,23 +520,7 @@ async fn installs_into_a_real_api_server_and_uninstalls() {
     };
     let before = secrets().await;
     assert!(before[0].contains("ca.crt") && before[2].contains("password"), "{before:?}");
-    let (ok, out, err) = helm_async(
-        &[
-            "upgrade",
-            "prism",
-            chart.as_str(),
-            "--namespace",
-            &ns,
-            "--set",
-            "demo.enabled=true",
-            "--set",
-            "replicas=2",
-            "--set",
-            "crds.install=false",
-        ],
-        Some(&cp.kubeconfig),
-    )
-    .await;
+    let (ok, out, err) = release("upgrade").await;
     assert!(ok, "helm upgrade: {out}{err}");
     let after = secrets().await;
     assert_eq!(before, after, "helm upgrade made new certificates or passwords");
