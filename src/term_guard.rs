@@ -112,7 +112,7 @@ impl TermGuard {
         let mut attempt = 1;
         loop {
             match self.check_once(watch_namespace).await {
-                Err(e) if attempt < 5 && is_conflict(&e) => {
+                Err(e) if attempt < 10 && is_conflict(&e) => {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(100 * attempt)).await;
                 }
@@ -127,9 +127,11 @@ impl TermGuard {
         let status = highest_status_term(&self.client, watch_namespace).await?;
         match verdict(db, mark, status) {
             Verdict::Current => {
-                let next = next_mark(mark, db);
-                if Some(next) != mark {
-                    self.write(next).await?;
+                // A first mark is made here; an existing one is the keepers' to move (the
+                // other replicas' keepers write it every second the history moves: a
+                // write here would only race them).
+                if mark.is_none() {
+                    self.write(next_mark(None, db)).await?;
                 }
                 info!(events = db.events, highest_term = db.highest_term, "the database knows every term issued");
             }
