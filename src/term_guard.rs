@@ -175,8 +175,11 @@ impl TermGuard {
                 _ = tokio::time::sleep(EVERY) => false,
                 _ = stop.changed() => true,
             };
-            if let Err(e) = self.follow().await {
-                warn!(error = format!("{e:#}"), "the term mark could not be kept up; trying again");
+            match self.follow().await {
+                // Another replica's keeper wrote it first: expected under churn, read again.
+                Err(e) if is_conflict(&e) => tracing::debug!("the term mark moved meanwhile; reading it again"),
+                Err(e) => warn!(error = format!("{e:#}"), "the term mark could not be kept up; trying again"),
+                Ok(()) => {}
             }
             if stopping || *stop.borrow() {
                 return;
