@@ -108,11 +108,10 @@ async fn migrate_subcommand_is_idempotent() {
         let out = bin().arg("migrate").env("DATABASE_URL", &db.url).output().expect("migrate runs");
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
-        .fetch_one(&db.pool)
-        .await
-        .expect("migrations table");
-    assert_eq!(applied as usize, prism_operator::db::MIGRATOR.iter().count());
+    assert_eq!(
+        prism_store::migrations::applied(&db.pool).await.expect("ledgers"),
+        prism_store::migrations::ALL.iter().count()
+    );
 }
 
 #[tokio::test]
@@ -138,11 +137,10 @@ async fn run_serves_health_and_readiness() {
     let thp = status.lines().find(|l| l.starts_with("THP_enabled:")).expect("THP_enabled (Linux >= 5.0)");
     assert_eq!(thp.split_whitespace().nth(1), Some("0"), "{thp}");
     // `run` applied every migration at start.
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations WHERE success")
-        .fetch_one(&db.pool)
-        .await
-        .expect("migrated");
-    assert_eq!(applied as usize, prism_operator::db::MIGRATOR.iter().count());
+    assert_eq!(
+        prism_store::migrations::applied(&db.pool).await.expect("ledgers"),
+        prism_store::migrations::ALL.iter().count()
+    );
 }
 
 #[tokio::test]

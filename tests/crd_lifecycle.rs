@@ -8,8 +8,7 @@
 
 use prism_testkit as support;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
 use kube::CustomResourceExt;
@@ -23,21 +22,6 @@ async fn helm(args: &[&str], kubeconfig: &Path) -> (bool, String) {
     helm.args(args).env("KUBECONFIG", kubeconfig);
     let out = tokio::process::Command::from(helm).output().await.expect("helm runs");
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
-}
-
-/// The chart of `commit`, as `git archive` gives it, under `dir`.
-fn chart_at(commit: &str, dir: &Path) -> PathBuf {
-    let archive = Command::new("git")
-        .args(["archive", "--format=tar", commit, "charts/prism-operator"])
-        .current_dir(repo_root())
-        .output()
-        .expect("git archive");
-    assert!(archive.status.success(), "git archive {commit}: {}", String::from_utf8_lossy(&archive.stderr));
-    let tar = dir.join("chart.tar");
-    std::fs::write(&tar, &archive.stdout).expect("write the archive");
-    let status = Command::new("tar").arg("-xf").arg(&tar).arg("-C").arg(dir).status().expect("tar");
-    assert!(status.success());
-    dir.join("charts/prism-operator")
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -74,7 +58,7 @@ async fn crds_follow_the_release_from_the_previous_one_and_are_kept() {
     let list = releases::changelog(repo_root());
     let previous = releases::previous_release(&list, current).expect("a released version before this one");
     let commit = previous.commit.as_deref().expect("its commit");
-    let old_chart = chart_at(commit, dir.as_path());
+    let old_chart = releases::checkout(commit, "charts/prism-operator", dir.as_path());
 
     // A cluster as the previous release left it: no CRD until its chart installs them.
     let mut args = vec!["delete", "crd", "--wait=true"];

@@ -173,13 +173,10 @@ async fn election_history_is_append_only() {
 #[tokio::test]
 async fn migrating_twice_is_a_no_op() {
     let db = TestDb::new().await;
-    let before: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&db.pool).await.expect("count");
+    let before = prism_store::migrations::applied(&db.pool).await.expect("ledgers");
     prism_operator::db::migrate(&db.pool).await.expect("second run succeeds");
-    let after: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&db.pool).await.expect("count");
-    assert_eq!(before, after);
-    assert_eq!(after as usize, prism_operator::db::MIGRATOR.iter().count());
+    assert_eq!(prism_store::migrations::applied(&db.pool).await.expect("ledgers"), before);
+    assert_eq!(before, prism_store::migrations::ALL.iter().count());
 }
 
 /// Index entries and sequentially read rows of `runtime_jobs`, as this backend's
@@ -350,4 +347,72 @@ async fn the_live_registration_count_follows_registrations_and_releases() {
         .expect("live registrations");
         assert_eq!(counted, actual, "after: {sql}");
     }
+}
+
+/// What the previous release checks at start: its own migrations (from its commit, read at
+/// run time as its binary embeds them), strictly, in `_sqlx_migrations`.
+/// On a connection of its own, closed after: a failed run returns without releasing
+/// sqlx's advisory migration lock, which a pooled connection would keep holding.
+async fn previous_release_starts_on(url: &str) -> Result<(), sqlx::migrate::MigrateError> {
+    use sqlx::Connection;
+    let commit = support::releases::previous_commit(env!("CARGO_PKG_VERSION"));
+    let dir = std::env::temp_dir().join(format!("prism-migrations-{}", Uuid::new_v4().simple()));
+    let migrations = support::releases::checkout(&commit, "migrations", &dir);
+    let previous = sqlx::migrate::Migrator::new(migrations.as_path()).await.expect("the previous release's migrations");
+    let mut conn = sqlx::PgConnection::connect(url).await.expect("connect");
+    let result = previous.run(&mut conn).await;
+    let _ = conn.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// SPEC §15: `helm rollback` starts the previous binary on this schema. Its start-up
+/// migration check passes (with one ledger, it stopped: "migration 20261207000002 was
+/// previously applied but is missing in the resolved migrations").
+#[tokio::test]
+async fn the_previous_release_starts_on_this_schema() {
+    let db = TestDb::new().await;
+    previous_release_starts_on(&db.url).await.expect("the previous release's start-up migration check");
+    // And it applied nothing: this schema already had all of its.
+    assert_eq!(
+        prism_store::migrations::applied(&db.pool).await.expect("ledgers"),
+        prism_store::migrations::ALL.iter().count()
+    );
+}
+
+/// After a rollback of a later release, this one meets a migration it does not know in
+/// its ledger, and starts.
+#[tokio::test]
+async fn a_later_release_migration_does_not_stop_this_one() {
+    let db = TestDb::new().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {} (version, description, success, checksum, execution_time) VALUES (29991231000001, 'later', true, '\\x00', 1)",
+        prism_store::migrations::LEDGER
+    )))
+    .execute(&db.pool)
+    .await
+    .expect("a later release's row");
+    prism_operator::db::migrate(&db.pool).await.expect("this release starts");
+}
+
+/// A database a pre-release build migrated with one ledger: its later versions move to the
+/// second (not applied again), and the previous release starts on it.
+#[tokio::test]
+async fn a_single_ledger_database_is_adopted() {
+    let db = TestDb::new().await;
+    let ledger = prism_store::migrations::LEDGER;
+    let moved = sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO _sqlx_migrations SELECT * FROM {ledger}")))
+        .execute(&db.pool)
+        .await
+        .expect("as a pre-release build left it")
+        .rows_affected();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {ledger}"))).execute(&db.pool).await.expect("one ledger");
+    assert!(moved > 0, "this release has migrations after the previous one's");
+    assert!(previous_release_starts_on(&db.url).await.is_err(), "with one ledger the previous release stops");
+    prism_operator::db::migrate(&db.pool).await.expect("adopted");
+    previous_release_starts_on(&db.url).await.expect("the previous release starts after the adoption");
+    assert_eq!(
+        prism_store::migrations::applied(&db.pool).await.expect("ledgers"),
+        prism_store::migrations::ALL.iter().count()
+    );
 }

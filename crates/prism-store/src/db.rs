@@ -5,15 +5,12 @@ use std::time::Duration;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
-/// The migrations in `migrations/`, embedded in the binary.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
-
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("cannot connect to PostgreSQL at {url}: {source}")]
     Connect { url: String, source: sqlx::Error },
     #[error("migration failed: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
+    Migrate(#[from] crate::migrations::MigrationError),
 }
 
 /// Connects without waiting forever: a dead database is an error the caller can report.
@@ -63,9 +60,10 @@ pub async fn begin(pool: &PgPool) -> Result<sqlx::Transaction<'static, sqlx::Pos
     Box::pin(pool.begin()).await
 }
 
-/// Applies every pending migration; a second call is a no-op.
+/// Applies every pending migration (in their two ledgers: `crate::migrations`); a second
+/// call is a no-op.
 pub async fn migrate(pool: &PgPool) -> Result<(), DbError> {
-    MIGRATOR.run(pool).await?;
+    crate::migrations::migrate(pool).await?;
     Ok(())
 }
 

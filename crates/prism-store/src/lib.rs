@@ -4,6 +4,8 @@
 
 // The pool, the migrations, typed text values and errors that name the step that failed.
 pub mod db;
+// The migrations and their two ledgers (the previous release runs on this schema).
+pub mod migrations;
 // The controller election (SPEC §4): the Postgres store around prism-core's rules.
 pub mod election;
 // The registry of Runs (SPEC §5): Redis leases, Postgres identities and jobs.

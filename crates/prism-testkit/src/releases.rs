@@ -64,6 +64,33 @@ pub fn previous_release(releases: &[Release], current: Version) -> Option<&Relea
     releases.iter().find(|r| r.commit.is_some() && r.version < current)
 }
 
+/// `path` (a file or folder of the repository) as it is in `commit`, written under `dir`
+/// by `git archive`; returns where it is. What a test of "N-1" uses of the previous
+/// release: its chart, its migrations.
+pub fn checkout(commit: &str, path: &str, dir: &Path) -> std::path::PathBuf {
+    let archive = std::process::Command::new("git")
+        .args(["archive", "--format=tar", commit, path])
+        .current_dir(crate::repo_root())
+        .output()
+        .expect("git runs");
+    assert!(archive.status.success(), "git archive {commit} {path}: {}", String::from_utf8_lossy(&archive.stderr));
+    std::fs::create_dir_all(dir).expect("mkdir");
+    let tar = dir.join(format!("{}.tar", commit));
+    std::fs::write(&tar, &archive.stdout).expect("write the archive");
+    let status = std::process::Command::new("tar").arg("-xf").arg(&tar).arg("-C").arg(dir).status().expect("tar runs");
+    assert!(status.success(), "tar -xf {}", tar.display());
+    let _ = std::fs::remove_file(&tar);
+    dir.join(path)
+}
+
+/// The previous release's commit for this build (`CARGO_PKG_VERSION` of the caller).
+pub fn previous_commit(current_version: &str) -> String {
+    let current = parse_version(current_version).expect("the build's version is semver");
+    let list = changelog(crate::repo_root());
+    let previous = previous_release(&list, current).expect("CHANGELOG.md names a released version before this one");
+    previous.commit.clone().expect("a released version names its commit")
+}
+
 /// What is wrong with these releases for a build of `current` whose user-visible files
 /// changed since the newest release as `changed_since_release` lists: the newest
 /// section is the build's version; versions fall from top to bottom; a released top
