@@ -359,6 +359,12 @@ pub struct RunArgs {
     /// Run controllers and the sweep only on the holder of a coordination.k8s.io Lease.
     #[arg(long, env = "PRISM_LEADER_ELECTION", default_value = "true", value_parser = parse_switch, action = clap::ArgAction::Set)]
     pub leader_election: bool,
+    /// On SIGTERM: seconds not ready but still serving, before the listener closes and
+    /// streams end (the time a Service takes to stop sending new connections; the chart
+    /// sets 5). 0: close at once.
+    #[arg(long, env = "PRISM_SHUTDOWN_DELAY_SECONDS", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=60))]
+    pub shutdown_delay_seconds: u32,
 }
 
 /// `true/false`, `on/off`, `1/0`, `yes/no`: what people write in Helm values and env.
@@ -405,6 +411,10 @@ fn is_redis_url(url: &str) -> bool {
 }
 
 impl RunArgs {
+    pub fn shutdown_delay(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(u64::from(self.shutdown_delay_seconds))
+    }
+
     /// REDIS_URL read as PRISM_REDIS_MODE says, checked for shape only.
     pub fn redis_endpoint(&self) -> Result<RedisEndpoint, ConfigError> {
         let cluster = match self.redis_mode.trim().to_ascii_lowercase().as_str() {

@@ -61,7 +61,12 @@ async fn storm_over(bases: &[String], token: &str, ns: &str, seed: u64) -> (Ackn
                     replica = (replica + 1) % bases.len();
                     continue;
                 };
-                let status = r.status().as_u16();
+                let mut status = r.status().as_u16();
+                // SPEC §15: a 503 says when to retry (Retry-After); one that does not is
+                // counted apart, as 999, and fails the storms' "only 503" checks.
+                if status == 503 && !r.headers().contains_key("retry-after") {
+                    status = 999;
+                }
                 if status == 200 {
                     acknowledged.push((session, project));
                 } else {

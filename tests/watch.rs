@@ -236,8 +236,41 @@ async fn a_nudge_rides_in_the_next_heartbeat_once_and_only_its_owners() {
     assert_eq!(second["nudges"], json!([]), "delivered once");
 }
 
+/// An initialized MCP session's `GET /mcp` stream, open (200, event stream).
+async fn mcp_session_stream(op: &Operator, token: &str) -> reqwest::Response {
+    let http = support::http();
+    let post = |body: Value, session: Option<String>| {
+        let mut req = http
+            .post(format!("{}/mcp", op.base))
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream");
+        if let Some(s) = session {
+            req = req.header("mcp-session-id", s);
+        }
+        req.body(body.to_string()).send()
+    };
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "watch-test", "version": "1"}}});
+    let r = post(init, None).await.expect("initialize");
+    assert_eq!(r.status(), 200);
+    let session = r.headers().get("mcp-session-id").and_then(|v| v.to_str().ok()).expect("a session id").to_string();
+    let r = post(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}), Some(session.clone())).await;
+    assert!(r.expect("initialized").status().is_success());
+    let r = http
+        .get(format!("{}/mcp", op.base))
+        .bearer_auth(token)
+        .header("accept", "text/event-stream")
+        .header("mcp-session-id", session)
+        .send()
+        .await
+        .expect("GET /mcp");
+    assert_eq!(r.status(), 200);
+    r
+}
+
 /// SPEC §11 shutdown: a replica that stops (SIGTERM, a rolling update) ends its watches
-/// cleanly (the stream closes, with no error event, so the client reconnects to another
+/// and MCP session streams cleanly (the stream closes, with no error event, so the client reconnects to another
 /// replica) and only then hands its Lease back: its log says so in that order.
 #[tokio::test]
 async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
@@ -252,6 +285,8 @@ async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
     let (status, mut events) = watch(&op, &token, &ns, "p-stop", None, None).await;
     assert_eq!(status, 200);
     table(&next(&mut events, 5).await.expect("the snapshot"));
+    // And an MCP session's stream (`GET /mcp` of the session-based generation).
+    let mut mcp = mcp_session_stream(&op, &token).await;
 
     let stopped_at = Instant::now();
     let killed = std::process::Command::new("kill").args(["-TERM", &op.pid().to_string()]).status().expect("kill");
@@ -260,6 +295,15 @@ async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
     let after = tokio::time::timeout(Duration::from_secs(5), events.next()).await.expect("the stream ends");
     assert!(after.is_none(), "no error event, a clean end: {after:?}");
     assert!(stopped_at.elapsed() < Duration::from_secs(3), "ended {:?} after SIGTERM", stopped_at.elapsed());
+    // The MCP stream too, cleanly (it was held through the whole shutdown grace, then cut).
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), mcp.chunk()).await.expect("the MCP stream ends") {
+            Ok(Some(_)) => continue,
+            Ok(None) => break,
+            Err(e) => panic!("the MCP stream was cut, not ended: {e}"),
+        }
+    }
+    assert!(stopped_at.elapsed() < Duration::from_secs(3), "MCP stream ended {:?} after SIGTERM", stopped_at.elapsed());
     let deadline = Instant::now() + Duration::from_secs(10);
     while op.exited().is_none() {
         assert!(Instant::now() < deadline, "still running 10 s after SIGTERM:\n{}", op.logs());
@@ -269,6 +313,52 @@ async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
     let api_stopped = logs.find("HTTP API stopped").expect("the API's stop is logged");
     let released = logs.find("leadership released on shutdown").expect("the Lease's release is logged");
     assert!(api_stopped < released, "the Lease went back before the API had stopped:\n{logs}");
+}
+
+/// SPEC §15: with PRISM_SHUTDOWN_DELAY_SECONDS a stopping replica is not ready at once
+/// but still answers new connections (the Service has not forgotten it yet) and keeps
+/// its watches for the delay; then it ends them and stops.
+#[tokio::test]
+async fn a_stopping_replica_serves_not_ready_through_its_shutdown_delay() {
+    use std::time::Instant;
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "watch-delay").await;
+    let db = TestDb::new().await;
+    let mut op = Operator::start(cp, &db.url, &ns, &[("PRISM_SHUTDOWN_DELAY_SECONDS", "3")]).await;
+    let token = support::agent_token(cp, &ns, "agent", &ALL).await;
+    let (status, mut events) = watch(&op, &token, &ns, "p-delay", None, None).await;
+    assert_eq!(status, 200);
+    table(&next(&mut events, 5).await.expect("the snapshot"));
+
+    let stopped_at = Instant::now();
+    let killed = std::process::Command::new("kill").args(["-TERM", &op.pid().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let http = support::http();
+    let ready = support::eventually(2, "readyz says stopping", || async {
+        let r = http.get(op.url("/readyz")).send().await.ok()?;
+        (r.status() == 503).then_some(r.json::<Value>().await.ok()?)
+    })
+    .await;
+    assert_eq!(ready["status"], "stopping", "{ready}");
+    // A new connection is still served, and an agent's call answered.
+    let r = http
+        .get(format!("{}/api/v1/controller/p-delay/status?namespace={ns}", op.base))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .expect("served while stopping");
+    assert_eq!(r.status(), 200);
+    // The watch stays open through the delay, then ends cleanly.
+    let end = tokio::time::timeout(Duration::from_secs(8), events.next()).await.expect("the stream ends");
+    assert!(end.is_none(), "a clean end: {end:?}");
+    let took = stopped_at.elapsed();
+    assert!(took >= Duration::from_millis(2500) && took < Duration::from_secs(6), "ended {took:?} after SIGTERM");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while op.exited().is_none() {
+        assert!(Instant::now() < deadline, "still running 10 s after the delay:\n{}", op.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// #43.1: held streams are bounded per caller. One identity holds at most

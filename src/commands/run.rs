@@ -145,8 +145,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         streams,
     });
     let term_mark = tokio::spawn(term_guard.keep(stop_rx.clone()));
+    let (stopping_health, delay) = (state.health.clone(), args.shutdown_delay());
     tokio::spawn(async move {
         shutdown_signal().await;
+        // Not ready at once, but serving for `delay` more: until the endpoints without
+        // this pod reach every node, new connections still arrive here, and a closed
+        // listener would refuse them (or, once the pod is gone, leave them unanswered).
+        stopping_health.stop();
+        if !delay.is_zero() {
+            info!(delay_seconds = delay.as_secs(), "not ready; serving until the Service forgets this replica");
+            tokio::time::sleep(delay).await;
+        }
         // Receivers live as long as the server and the leader loop; none left is fine.
         let _ = stop_tx.send(true);
     });

@@ -29,12 +29,15 @@ pub struct ErrorDetail {
     pub message: String,
 }
 
+/// What a 503 asks its caller to wait before the retry.
+const UNAVAILABLE_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
-    /// Sent as `Retry-After` (whole seconds, rounded up): 429 answers carry it.
+    /// Sent as `Retry-After` (whole seconds, rounded up): 429 and 503 answers carry it.
     pub retry_after: Option<std::time::Duration>,
 }
 
@@ -73,8 +76,11 @@ impl ApiError {
     pub fn conflict(code: &'static str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, code, message)
     }
+    /// A dependency out of reach just now: worth a retry, which `Retry-After` invites
+    /// (SPEC §15: a client retries a 503 with `Retry-After`; a rolling update or a
+    /// failover is over in about that time).
     pub fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+        Self { retry_after: Some(UNAVAILABLE_RETRY), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message) }
     }
     /// Details go to the log; the caller gets a generic message.
     pub fn internal(context: &str, e: impl std::fmt::Display) -> Self {

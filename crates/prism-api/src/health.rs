@@ -38,6 +38,8 @@ struct Readiness {
 #[derive(Default)]
 pub struct Health {
     last: RwLock<Option<Readiness>>,
+    /// Set on SIGTERM: not ready from then on, whatever the dependencies say.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 /// What the background loops probe with.
@@ -55,6 +57,9 @@ impl Health {
     /// still is: "degraded", still ready, so Runs get a precise 503 rather than a
     /// connection error.
     pub fn readiness(&self) -> (bool, Value) {
+        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+            return (false, json!({"status": "stopping", "message": "this replica is shutting down"}));
+        }
         let last = self.last.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let Some(r) = last.filter(|r| r.at.elapsed() < STALE_AFTER) else {
             return (
@@ -78,6 +83,12 @@ impl Health {
             "checks": {"postgres": check(&r.postgres), "runtime_registry": check(&r.redis), "kubernetes": check(&r.kubernetes)},
         });
         (ready, body)
+    }
+
+    /// The replica is stopping: `/readyz` says so, so the Service stops sending it new
+    /// connections while it still serves them (SPEC §15: a rolling update fails no call).
+    pub fn stop(&self) {
+        self.stopping.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn record(&self, r: Readiness) {

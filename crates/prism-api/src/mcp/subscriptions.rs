@@ -115,7 +115,15 @@ struct SessionStream {
 }
 
 impl SessionStream {
+    /// Follows until the reader leaves, the caller loses its rights or the replica stops;
+    /// then ends the stream, so its reader sees the end at once (a stopping replica
+    /// otherwise held it open through its whole shutdown grace, and cut it mid-chunk).
     async fn run(self) {
+        self.follow().await;
+        self.outbox.end(None);
+    }
+
+    async fn follow(&self) {
         let state = &self.state;
         let session_waiter = state.signals.mcp_session_waiter(&self.session.id_digest);
         let mut changes = Changes::default();
