@@ -78,6 +78,57 @@ async fn the_checker_passes_a_real_history_and_names_a_forged_row() {
     assert!(!ok && out.contains("job job-a: acknowledged as completed 2 times"), "{out}");
 }
 
+/// SPEC §15: a restore's raise (controller_term_restores) is a jump the term rule allows,
+/// and the history after it still passes; a term given to a second master does not.
+#[tokio::test]
+async fn the_checker_follows_a_restore_raise_and_names_a_term_held_twice() {
+    let cp = control_plane().await;
+    let client = cp.client().await;
+    let ns = support::namespace(&client, "invariants-restore").await;
+    let db = TestDb::new().await;
+    let op = Operator::start(cp, &db.url, &ns, &[]).await;
+    let token = support::agent_token(cp, &ns, "agent", &["create", "delete", "get", "list"]).await;
+    support::register(&op, &token, &ns, "PID-R", "code-r", "claude_code").await;
+    let before: i64 =
+        sqlx::query_scalar("SELECT term FROM controller_projects WHERE namespace = $1 AND project_id = 'PID-R'")
+            .bind(&ns)
+            .fetch_one(&db.pool)
+            .await
+            .expect("term");
+    // The restore guard's raise, as the operator makes it at start after a restore.
+    let raised = prism_store::election::restore::RestoreGuard::new(db.pool.clone())
+        .raise_after_restore(before + 1000)
+        .await
+        .expect("raise");
+    assert!(raised.projects >= 1, "{raised:?}");
+    // A desktop preempts after the raise: a term above the raised one.
+    let answer = support::register(&op, &token, &ns, "PID-R", "desk-r", "claude_desktop").await;
+    assert!(answer["term"].as_i64().is_some_and(|t| t > before + 1000), "{answer}");
+    let (ok, out) = check(&db.url, &["--namespace-prefix", &ns]).await;
+    assert!(ok, "a raise after a restore is allowed, and what follows it holds:\n{out}");
+
+    // The term of the first master given to another: named as a term held by two.
+    let first: uuid::Uuid = sqlx::query_scalar(
+        "SELECT master_id FROM controller_election_events WHERE namespace = $1 AND project_id = 'PID-R' ORDER BY id LIMIT 1",
+    )
+    .bind(&ns)
+    .fetch_one(&db.pool)
+    .await
+    .expect("first master");
+    sqlx::query(
+        "INSERT INTO controller_election_events (namespace, project_id, term, master_id, previous_master_id, cause)
+         SELECT namespace, project_id, $2, gen_random_uuid(), master_id, 'elected' FROM controller_projects
+         WHERE namespace = $1 AND project_id = 'PID-R'",
+    )
+    .bind(&ns)
+    .bind(before)
+    .execute(&db.pool)
+    .await
+    .expect("forge a row");
+    let (ok, out) = check(&db.url, &["--namespace-prefix", &ns]).await;
+    assert!(!ok && out.contains(&format!("term {before} was held by two masters")), "{first}: {out}");
+}
+
 /// The durable rows a Redis fault must leave alone: saved before, compared after; a row
 /// that changed is named with both versions, an unchanged set passes.
 #[tokio::test]

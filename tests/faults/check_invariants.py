@@ -10,7 +10,9 @@ lock admitted them):
     the row before it (NULL for the first), and the last row's master and term are the
     project's current ones;
   * the term only rises: by exactly one for a row with a new master, unchanged for a
-    row that leaves the project without one;
+    row that leaves the project without one, except above a restore's raise
+    (controller_term_restores, SPEC §15), after which it continues from the raised term;
+  * no term number is held by two masters;
   * at most one live master at any instant: the masters' intervals are the gaps between
     consecutive rows, so the chain above makes them disjoint; and now, at most one live
     registration has is_master, and it is the project's master, in the project's term.
@@ -70,19 +72,27 @@ def snapshot(url: str, queries: list[str]) -> list[list[list[str]]]:
 def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, int]:
     like = prefix.replace("\\", "\\\\").replace("_", "\\_").replace("%", "\\%") + "%"
     quoted = like.replace("'", "''")
-    events, project_rows, master_rows = snapshot(
+    events, project_rows, master_rows, restore_rows = snapshot(
         url,
         [
-            "SELECT namespace, project_id, id, term, master_id, previous_master_id, cause, created_at "
+            "SELECT namespace, project_id, id, term, master_id, previous_master_id, cause, created_at, "
+            "extract(epoch FROM created_at) "
             f"FROM controller_election_events WHERE namespace LIKE '{quoted}' ORDER BY namespace, project_id, id",
             f"SELECT namespace, project_id, term, master_id FROM controller_projects WHERE namespace LIKE '{quoted}'",
             "SELECT namespace, project_id, id, master_term FROM controller_registrations "
             f"WHERE is_master AND released_at IS NULL AND namespace LIKE '{quoted}'",
+            # SPEC §15: a restored database raises each project's term past every term seen
+            # outside it; the raise is a row here, not an election event.
+            "SELECT namespace, project_id, extract(epoch FROM at), term_before, term_after "
+            f"FROM controller_term_restores WHERE namespace LIKE '{quoted}' ORDER BY id",
         ],
     )
     history = collections.defaultdict(list)
-    for ns, project, event_id, term, master, previous, cause, at in events:
-        history[(ns, project)].append((int(event_id), int(term), master, previous, cause, at))
+    for ns, project, event_id, term, master, previous, cause, at, epoch in events:
+        history[(ns, project)].append((int(event_id), int(term), master, previous, cause, at, float(epoch)))
+    raises = collections.defaultdict(list)
+    for ns, project, at, before, after in restore_rows:
+        raises[(ns, project)].append((float(at), int(before), int(after)))
     projects = {(ns, project): (int(term), master) for ns, project, term, master in project_rows}
     live_masters = collections.defaultdict(list)
     for ns, project, reg_id, master_term in master_rows:
@@ -94,8 +104,20 @@ def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, i
         events = history.get(key, [])
         # The master named by the row before holds the project over [since, this row's time).
         master, term, since = "", 0, "the beginning"
-        for event_id, t, new_master, previous, cause, at in events:
+        pending = list(raises.get(key, []))
+        holders: dict[int, set[str]] = collections.defaultdict(set)
+        for event_id, t, new_master, previous, cause, at, epoch in events:
             changes += 1
+            # A raise before this row: terms continue above it.
+            while pending and pending[0][0] <= epoch:
+                _, before, after = pending.pop(0)
+                if after <= max(term, before):
+                    violations.append(f"{name}: a restore 'raised' term {max(term, before)} to {after}, not above it")
+                term = max(term, after)
+            if new_master:
+                holders[t].add(new_master)
+                if len(holders[t]) > 1:
+                    violations.append(f"{name}: term {t} was held by two masters: {sorted(holders[t])}")
             row = f"row {event_id} at {at}: term {t}, master {new_master or 'none'}, previous {previous or 'none'}, {cause}"
             if previous != master:
                 violations.append(
@@ -106,6 +128,8 @@ def check_elections(url: str, prefix: str, violations: list[str]) -> dict[str, i
             if t != want:
                 violations.append(f"{name}: term {t} where {want} was due (after term {term}): {row}")
             master, term, since = new_master, t, at
+        for _, _, after in pending:
+            term = max(term, after)
         current = projects.get(key)
         if current is None:
             violations.append(f"{name}: history without a project row")
