@@ -54,10 +54,8 @@ async fn crds_follow_the_release_from_the_previous_one_and_are_kept() {
     let client = cp.client().await;
     let dir = std::env::temp_dir().join(format!("prism-crds-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).expect("mkdir");
-    let current = releases::parse_version(env!("CARGO_PKG_VERSION")).expect("semver");
-    let list = releases::changelog(repo_root());
-    let previous = releases::previous_release(&list, current).expect("a released version before this one");
-    let commit = previous.commit.as_deref().expect("its commit");
+    let (previous, commit) = releases::previous_of(env!("CARGO_PKG_VERSION"));
+    let commit = commit.as_str();
     let old_chart = releases::checkout(commit, "charts/prism-operator", dir.as_path());
 
     // A cluster as the previous release left it: no CRD until its chart installs them.

@@ -355,7 +355,7 @@ async fn the_live_registration_count_follows_registrations_and_releases() {
 /// sqlx's advisory migration lock, which a pooled connection would keep holding.
 async fn previous_release_starts_on(url: &str) -> Result<(), sqlx::migrate::MigrateError> {
     use sqlx::Connection;
-    let commit = support::releases::previous_commit(env!("CARGO_PKG_VERSION"));
+    let (_, commit) = support::releases::previous_of(env!("CARGO_PKG_VERSION"));
     let dir = std::env::temp_dir().join(format!("prism-migrations-{}", Uuid::new_v4().simple()));
     let migrations = support::releases::checkout(&commit, "migrations", &dir);
     let previous = sqlx::migrate::Migrator::new(migrations.as_path()).await.expect("the previous release's migrations");

@@ -68,27 +68,29 @@ pub fn previous_release(releases: &[Release], current: Version) -> Option<&Relea
 /// by `git archive`; returns where it is. What a test of "N-1" uses of the previous
 /// release: its chart, its migrations.
 pub fn checkout(commit: &str, path: &str, dir: &Path) -> std::path::PathBuf {
-    let archive = std::process::Command::new("git")
+    use std::process::{Command, Stdio};
+    std::fs::create_dir_all(dir).expect("mkdir");
+    let mut git = Command::new("git")
         .args(["archive", "--format=tar", commit, path])
         .current_dir(crate::repo_root())
-        .output()
+        .stdout(Stdio::piped())
+        .spawn()
         .expect("git runs");
-    assert!(archive.status.success(), "git archive {commit} {path}: {}", String::from_utf8_lossy(&archive.stderr));
-    std::fs::create_dir_all(dir).expect("mkdir");
-    let tar = dir.join(format!("{}.tar", commit));
-    std::fs::write(&tar, &archive.stdout).expect("write the archive");
-    let status = std::process::Command::new("tar").arg("-xf").arg(&tar).arg("-C").arg(dir).status().expect("tar runs");
-    assert!(status.success(), "tar -xf {}", tar.display());
-    let _ = std::fs::remove_file(&tar);
+    let archive = git.stdout.take().expect("git's stdout");
+    let untar = Command::new("tar").arg("-x").arg("-C").arg(dir).stdin(archive).status().expect("tar runs");
+    let archived = git.wait().expect("git archive ends");
+    assert!(archived.success() && untar.success(), "git archive {commit} {path} | tar -x -C {}", dir.display());
     dir.join(path)
 }
 
-/// The previous release's commit for this build (`CARGO_PKG_VERSION` of the caller).
-pub fn previous_commit(current_version: &str) -> String {
+/// The released version an upgrade to this build starts from (`CARGO_PKG_VERSION` of
+/// the caller), with its commit.
+pub fn previous_of(current_version: &str) -> (Release, String) {
     let current = parse_version(current_version).expect("the build's version is semver");
     let list = changelog(crate::repo_root());
     let previous = previous_release(&list, current).expect("CHANGELOG.md names a released version before this one");
-    previous.commit.clone().expect("a released version names its commit")
+    let commit = previous.commit.clone().expect("a released version names its commit");
+    (previous.clone(), commit)
 }
 
 /// What is wrong with these releases for a build of `current` whose user-visible files
