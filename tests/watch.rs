@@ -316,8 +316,9 @@ async fn a_stopping_replica_ends_its_watches_before_it_hands_back_its_lease() {
 }
 
 /// SPEC §15: with PRISM_SHUTDOWN_DELAY_SECONDS a stopping replica is not ready at once
-/// but still answers new connections (the Service has not forgotten it yet) and keeps
-/// its watches for the delay; then it ends them and stops.
+/// but still answers new connections (the Service has not forgotten it yet), closing
+/// each after its answer, and keeps its watches for the delay; then it ends them and
+/// stops.
 #[tokio::test]
 async fn a_stopping_replica_serves_not_ready_through_its_shutdown_delay() {
     use std::time::Instant;
@@ -349,6 +350,9 @@ async fn a_stopping_replica_serves_not_ready_through_its_shutdown_delay() {
         .await
         .expect("served while stopping");
     assert_eq!(r.status(), 200);
+    // And its connection closed after the answer: a kept-alive client's next call opens
+    // one through the Service, to a replica that is not stopping.
+    assert_eq!(r.headers().get("connection").and_then(|v| v.to_str().ok()), Some("close"), "{:?}", r.headers());
     // The watch stays open through the delay, then ends cleanly.
     let end = tokio::time::timeout(Duration::from_secs(8), events.next()).await.expect("the stream ends");
     assert!(end.is_none(), "a clean end: {end:?}");

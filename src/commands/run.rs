@@ -27,6 +27,10 @@ use crate::signals::Signals;
 use crate::transport;
 use prism_api::settings::ApiSettings;
 
+/// Between the server's connections learning that keep-alive is over and the stop of
+/// waiting claims and streams: long enough for every connection task to take the notice.
+const DRAIN_HANDOFF: Duration = Duration::from_millis(100);
+
 /// `prism-operator run`, step by step.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // Everything checked before anything connects: the operator's settings, then the API's.
@@ -146,20 +150,30 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     let term_mark = tokio::spawn(term_guard.keep(stop_rx.clone()));
     let (stopping_health, delay) = (state.health.clone(), args.shutdown_delay());
+    let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
+    let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         shutdown_signal().await;
         // Not ready at once, but serving for `delay` more: until the endpoints without
         // this pod reach every node, new connections still arrive here, and a closed
         // listener would refuse them (or, once the pod is gone, leave them unanswered).
+        // Each answer from now on closes its connection, so kept-alive clients move on
+        // through the Service (transport::closing).
         stopping_health.stop();
+        let _ = closing_tx.send(true);
         if !delay.is_zero() {
             info!(delay_seconds = delay.as_secs(), "not ready; serving until the Service forgets this replica");
             tokio::time::sleep(delay).await;
         }
+        // The connections learn first that keep-alive is over, then the waiting claims
+        // are answered and the streams end: each such answer then closes its connection,
+        // rather than leaving it idle for the client to reuse just as the server drops it.
+        let _ = drain_tx.send(true);
+        tokio::time::sleep(DRAIN_HANDOFF).await;
         // Receivers live as long as the server and the leader loop; none left is fine.
         let _ = stop_tx.send(true);
     });
-    serve_api(listen, (max_connections, max_connections_per_address), tls, state, stop_rx).await?;
+    serve_api(listen, (max_connections, max_connections_per_address), tls, state, (closing_rx, drain_rx)).await?;
     info!("HTTP API stopped: waiting claims answered, watches and MCP streams ended");
     // The last changes in the mark (bounded: the mark is written within a second anyway).
     let _ = tokio::time::timeout(Duration::from_secs(5), term_mark).await;
@@ -336,14 +350,14 @@ fn spawn_subscription_pruning(subscriptions: McpStore) {
     });
 }
 
-/// Serves the HTTP API (TLS when configured, with the server limits of SPEC §12) until
-/// `stop` says so.
+/// Serves the HTTP API (TLS when configured, with the server limits of SPEC §12),
+/// closing each connection after its answer once `closing`, until `stop` says so.
 async fn serve_api(
     listen: std::net::SocketAddr,
     (max_connections, per_address): (usize, Option<usize>),
     tls: Option<transport::CertFiles>,
     state: Arc<AppState>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    (closing, mut stop): (tokio::sync::watch::Receiver<bool>, tokio::sync::watch::Receiver<bool>),
 ) -> anyhow::Result<()> {
     let mut limits = transport::Limits::spec(max_connections, per_address);
     limits.tls_refusals = state.metrics.tls_reloads_refused.clone();
@@ -357,7 +371,9 @@ async fn serve_api(
     let shutdown = async move {
         let _ = stop.wait_for(|stop| *stop).await;
     };
-    transport::serve(listener, api::router(state), tls.as_ref(), &limits, shutdown).await.context("HTTP server failed")
+    transport::serve(listener, api::router(state), tls.as_ref(), &limits, closing, shutdown)
+        .await
+        .context("HTTP server failed")
 }
 
 /// Postgres may start after the operator (a Helm install starts both at once): retry for

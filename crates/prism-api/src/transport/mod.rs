@@ -9,7 +9,8 @@
 //! * a request timeout (30 s, [`timeout`]): 408 `request_timeout`;
 //! * a cap on open connections ([`cap`], `PRISM_MAX_CONNECTIONS`): one more is closed
 //!   at once;
-//! * graceful shutdown: the listener closes, idle connections close, requests in flight
+//! * while the replica stops, every answer closes its connection ([`closing`]); then a
+//!   graceful shutdown: the listener closes, idle connections close, requests in flight
 //!   get [`Limits::shutdown_grace`] to finish.
 //!
 //! HTTP/2 is not offered (ALPN `http/1.1`, no prior-knowledge h2): hyper's HTTP/2
@@ -33,6 +34,7 @@ use tokio::net::TcpListener;
 use tracing::{debug, info};
 
 pub mod cap;
+pub mod closing;
 pub mod drain;
 pub mod timeout;
 pub mod tls;
@@ -79,18 +81,21 @@ pub fn plain_http_warning(listen: SocketAddr, tls: bool) -> Option<String> {
     })
 }
 
-/// Serves `app` on `listener` until `shutdown` completes, then drains connections.
-/// With `tls`, the pair is read now (an error is returned if it cannot be served) and
-/// watched for changes while serving.
+/// Serves `app` on `listener`, closing each connection after its answer once `closing`
+/// is true, until `shutdown` completes, then drains connections. With `tls`, the pair is
+/// read now (an error is returned if it cannot be served) and watched for changes while
+/// serving.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     tls: Option<&CertFiles>,
     limits: &Limits,
+    closing: tokio::sync::watch::Receiver<bool>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     // The drain outside the timeout: a handler cut at 30 s leaves a body that is not read on.
     let app = drain::apply(timeout::RequestTimeout::new(limits.request_timeout).apply(app));
+    let app = closing::apply(app, closing);
     let make_service = app.into_make_service_with_connect_info::<SocketAddr>();
     let handle: Handle<SocketAddr> = Handle::new();
     let grace = limits.shutdown_grace;
@@ -176,7 +181,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let done = tokio::spawn(async move {
-            serve(listener, app, tls.as_ref(), &limits, async move {
+            serve(listener, app, tls.as_ref(), &limits, tokio::sync::watch::channel(false).1, async move {
                 let _ = stopped.await;
             })
             .await
