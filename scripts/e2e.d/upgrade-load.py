@@ -87,6 +87,8 @@ STATUS_EVERY = 6.0
 WATCH_READ_TIMEOUT = 40.0  # a comment arrives every 15 s (SPEC §11)
 LEGACY_STREAM_READ_TIMEOUT = 40.0
 MAX_SAMPLES = 10
+# Retries and refused reconnects kept with their times (a run sees a few dozen).
+MAX_RETRIED = 1000
 NO_MASTER = "<none>"
 SDK_CLIENT_NAME = "claude-code"
 
@@ -485,13 +487,15 @@ class Load:
             self.c.failed_total += 1
             what = detail.get("code") or (detail.get("rpc_error") or {}).get("message") or detail.get("error") or ""
             self.c.failure_kinds[f"{kind} {detail.get('status')} {str(what)[:80]}"] += 1
-            sample = {"kind": kind, "t": self.t(), "after_ready": self.ready, **detail}
+            sample = {"kind": kind, "t": self.t(), "at": time.time(), "after_ready": self.ready, **detail}
             if len(self.c.failures) < MAX_SAMPLES:
                 self.c.failures.append(sample)
             log(f"FAILED {kind} at {self.t()} s: {json.dumps(detail, default=str)[:400]}")
         elif outcome == "retried_ok":
-            if len(self.c.retried) < 2 * MAX_SAMPLES:
-                self.c.retried.append({"kind": kind, "t": self.t(), **detail})
+            # Every retry, with its wall-clock time: scripts/e2e.d/upgrade-attribute checks
+            # each fell while a replica of the previous release was stopping.
+            if len(self.c.retried) < MAX_RETRIED:
+                self.c.retried.append({"kind": kind, "t": self.t(), "at": time.time(), **detail})
             log(f"retried_ok {kind} at {self.t()} s: {json.dumps(detail, default=str)[:300]}")
 
     async def http_call(
@@ -616,8 +620,8 @@ class Load:
 
     def stream_refused(self, st: StreamState, problem: str) -> None:
         st.refused += 1
-        if len(self.stream_errors) < 2 * MAX_SAMPLES:
-            self.stream_errors.append({"stream": st.name, "t": self.t(), "error": problem[:300]})
+        if len(self.stream_errors) < MAX_RETRIED:
+            self.stream_errors.append({"stream": st.name, "t": self.t(), "at": time.time(), "error": problem[:300]})
 
     # ---- HTTP agents ---------------------------------------------------------------
 

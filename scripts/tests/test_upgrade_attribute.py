@@ -1,0 +1,74 @@
+"""scripts/e2e.d/upgrade-attribute: what it lets through as the previous release's doing,
+and what it refuses (tests/scripts.rs runs these with `python3 -m unittest`)."""
+
+import json
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "e2e.d" / "upgrade-attribute"
+JOB = "c8de1dfa-9dfa-46df-bbc5-0e30141da5da"
+OTHER = "8acad731-1652-4d34-81a0-08393cfae051"
+# 2026-12-07T11:36:30Z and 11:36:40Z: the one window of these cases.
+START, END = 1796643390.0, 1796643400.0
+
+
+def colored(stamp, level, message):
+    """A line as tracing writes it to a file with colours on (0.2.0's demo-run does)."""
+    return f"\x1b[2m{stamp}\x1b[0m \x1b[33m {level}\x1b[0m \x1b[2mprism_operator::commands::demo_run\x1b[0m\x1b[2m:\x1b[0m {message}\n"
+
+
+class Attribute(unittest.TestCase):
+    def run_it(self, retried=(), log="", events=""):
+        with tempfile.TemporaryDirectory() as d:
+            d = Path(d)
+            (d / "w").write_text(f"{START} {END} 0.2.0 stopped by the first upgrade\n")
+            (d / "load.json").write_text(json.dumps({"retried_samples": list(retried), "stream_errors": []}))
+            (d / "events").write_text(events)
+            (d / "run.log").write_text(log)
+            out = subprocess.run(
+                [sys.executable, str(SCRIPT), "--windows", str(d / "w"), "--load", str(d / "load.json"),
+                 "--events", str(d / "events"), str(d / "run.log")],
+                capture_output=True, text=True, check=False)
+            return out.returncode, out.stdout.strip(), out.stderr
+
+    def test_a_retry_and_a_given_up_ack_in_the_window_are_the_previous_release(self):
+        log = colored("2026-12-07T11:36:33.100000Z", "WARN",
+                      f"ack failed; the job returns to the queue at its visibility timeout job={JOB} error=HTTP")
+        events = f"{JOB}|claimed|1|{START + 2}\n{JOB}|queued|1|{START + 40}\n{JOB}|claimed|2|{START + 41}\n"
+        code, out, err = self.run_it([{"kind": "http.heartbeat", "t": 3.0, "at": START + 1}], log, events)
+        self.assertEqual((code, out), (0, "1"), err)
+        self.assertIn("the Run gave up its ack", err)
+
+    def test_a_claim_answer_lost_in_the_window_is_the_previous_release(self):
+        events = f"{OTHER}|claimed|1|{START + 5}\n{OTHER}|queued|1|{START + 40}\n{OTHER}|claimed|2|{START + 41}\n"
+        code, out, err = self.run_it(events=events)
+        self.assertEqual((code, out), (0, "1"), err)
+
+    def test_a_retry_outside_every_window_is_refused(self):
+        code, _, err = self.run_it([{"kind": "mcp.heartbeat", "t": 90.0, "at": END + 30,
+                                     "first_try": "ConnectError"}])
+        self.assertEqual(code, 1, err)
+        self.assertIn("mcp.heartbeat retried", err)
+
+    def test_a_second_attempt_with_nothing_to_explain_it_is_refused(self):
+        # Acknowledged at its first attempt, then claimed again: nothing cut it off.
+        events = (f"{JOB}|claimed|1|{START + 2}\n{JOB}|running|1|{START + 2.1}\n"
+                  f"{JOB}|queued|1|{START + 40}\n{JOB}|claimed|2|{START + 41}\n")
+        code, out, err = self.run_it(events=events)
+        self.assertEqual((code, out), (1, "0"), err)
+        self.assertIn(f"job {JOB} ran again", err)
+
+    def test_a_step_given_up_outside_the_windows_or_a_lost_session_is_refused(self):
+        log = colored("2026-12-07T11:40:00.000000Z", "WARN", f"complete failed job={JOB} error=HTTP")
+        log += colored("2026-12-07T11:36:35.000000Z", "WARN", "session lost; saying hello again error=expired")
+        code, _, err = self.run_it(log=log)
+        self.assertEqual(code, 1, err)
+        self.assertIn("complete failed outside", err)
+        self.assertIn("lost its session", err)
+
+
+if __name__ == "__main__":
+    unittest.main()
