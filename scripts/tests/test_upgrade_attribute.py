@@ -21,11 +21,12 @@ def colored(stamp, level, message):
 
 
 class Attribute(unittest.TestCase):
-    def run_it(self, retried=(), log="", events=""):
+    def run_it(self, retried=(), log="", events="", failures=()):
         with tempfile.TemporaryDirectory() as d:
             d = Path(d)
             (d / "w").write_text(f"{START} {END} 0.2.0 stopped by the first upgrade\n")
-            (d / "load.json").write_text(json.dumps({"retried_samples": list(retried), "stream_errors": []}))
+            (d / "load.json").write_text(json.dumps({"retried_samples": list(retried), "stream_errors": [],
+                                                          "failures": list(failures)}))
             (d / "events").write_text(events)
             (d / "run.log").write_text(log)
             out = subprocess.run(
@@ -39,13 +40,13 @@ class Attribute(unittest.TestCase):
                       f"ack failed; the job returns to the queue at its visibility timeout job={JOB} error=HTTP")
         events = f"{JOB}|claimed|1|{START + 2}\n{JOB}|queued|1|{START + 40}\n{JOB}|claimed|2|{START + 41}\n"
         code, out, err = self.run_it([{"kind": "http.heartbeat", "t": 3.0, "at": START + 1}], log, events)
-        self.assertEqual((code, out), (0, "1"), err)
+        self.assertEqual((code, out), (0, "1 0"), err)
         self.assertIn("the Run gave up its ack", err)
 
     def test_a_claim_answer_lost_in_the_window_is_the_previous_release(self):
         events = f"{OTHER}|claimed|1|{START + 5}\n{OTHER}|queued|1|{START + 40}\n{OTHER}|claimed|2|{START + 41}\n"
         code, out, err = self.run_it(events=events)
-        self.assertEqual((code, out), (0, "1"), err)
+        self.assertEqual((code, out), (0, "1 0"), err)
 
     def test_a_retry_outside_every_window_is_refused(self):
         code, _, err = self.run_it([{"kind": "mcp.heartbeat", "t": 90.0, "at": END + 30,
@@ -58,8 +59,20 @@ class Attribute(unittest.TestCase):
         events = (f"{JOB}|claimed|1|{START + 2}\n{JOB}|running|1|{START + 2.1}\n"
                   f"{JOB}|queued|1|{START + 40}\n{JOB}|claimed|2|{START + 41}\n")
         code, out, err = self.run_it(events=events)
-        self.assertEqual((code, out), (1, "0"), err)
+        self.assertEqual((code, out), (1, "0 0"), err)
         self.assertIn(f"job {JOB} ran again", err)
+
+    def test_a_call_that_twice_could_not_connect_in_the_window_is_the_previous_release(self):
+        refused = {"kind": "http.heartbeat", "t": 7.0, "at": START + 3, "status": None,
+                   "first_try": "ConnectError: ConnectError('')", "error": "ConnectError: ConnectError('')"}
+        code, out, err = self.run_it(failures=[refused])
+        self.assertEqual((code, out), (0, "0 1"), err)
+        self.assertIn("failed twice to connect", err)
+        # Outside the windows, or answered, or cut after connecting: not excused.
+        for f in ({**refused, "at": END + 30}, {**refused, "status": 500},
+                  {**refused, "error": "ReadTimeout: ReadTimeout('')"}):
+            code, out, err = self.run_it(failures=[f])
+            self.assertEqual(out, "0 0", f"{f}: {err}")
 
     def test_a_step_given_up_outside_the_windows_or_a_lost_session_is_refused(self):
         log = colored("2026-12-07T11:40:00.000000Z", "WARN", f"complete failed job={JOB} error=HTTP")

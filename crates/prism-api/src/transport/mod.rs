@@ -9,6 +9,9 @@
 //! * a request timeout (30 s, [`timeout`]): 408 `request_timeout`;
 //! * a cap on open connections ([`cap`], `PRISM_MAX_CONNECTIONS`): one more is closed
 //!   at once;
+//! * a fixed kernel send buffer per connection ([`Limits::send_buffer`]): what a peer
+//!   that does not read can make the kernel hold for it is bounded, and a held stream
+//!   sees such a reader fall behind after a table or two, not after megabytes;
 //! * while the replica stops, every answer closes its connection ([`closing`]); then a
 //!   graceful shutdown: the listener closes, idle connections close, requests in flight
 //!   get [`Limits::shutdown_grace`] to finish.
@@ -31,7 +34,7 @@ use axum_server::Handle;
 use axum_server::accept::DefaultAcceptor;
 use axum_server::tls_rustls::RustlsAcceptor;
 use tokio::net::TcpListener;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 pub mod cap;
 pub mod closing;
@@ -55,7 +58,18 @@ pub struct Limits {
     pub shutdown_grace: Duration,
     /// Counts reloaded certificates refused (`prism_tls_reloads_refused_total`).
     pub tls_refusals: prometheus_client::metrics::counter::Counter,
+    /// SO_SNDBUF of each connection (set on the listener; its connections inherit it).
+    /// Left to itself Linux grows the buffer of a connection whose peer does not read up
+    /// to `net.ipv4.tcp_wmem`'s maximum (4 MiB by default): a stalled watch then took 4 MiB
+    /// of events into the kernel before its one-event outbox saw it fall behind (SPEC
+    /// §12), and the operator wrote each of them (the abuse bench: 1,000 such watches,
+    /// 20 changes a second, most of them never reset in 10 s). The kernel doubles the
+    /// value; 256 KiB in flight still carries 2.5 MB/s to a client 100 ms away.
+    pub send_buffer: usize,
 }
+
+/// [`Limits::send_buffer`] of SPEC §12's limits.
+pub const SEND_BUFFER: usize = 128 * 1024;
 
 impl Limits {
     /// SPEC §12's limits; one address's share of the connections, a quarter by default.
@@ -68,6 +82,7 @@ impl Limits {
             max_connections,
             shutdown_grace: Duration::from_secs(20),
             tls_refusals: Default::default(),
+            send_buffer: SEND_BUFFER,
         }
     }
 }
@@ -104,6 +119,10 @@ pub async fn serve(
         shutdown.await;
         on_shutdown.graceful_shutdown(Some(grace));
     });
+    // The connections inherit it (Linux copies a listener's buffer sizes and their lock).
+    if let Err(error) = socket2::SockRef::from(&listener).set_send_buffer_size(limits.send_buffer) {
+        warn!(%error, bytes = limits.send_buffer, "the API listener's send buffer could not be bounded");
+    }
     let mut server = axum_server::Server::from_listener(listener).handle(handle).http1_only();
     // A connection whose reader stalls keeps at most this much in hyper's own buffer (and
     // the streams' one waiting event, SPEC §12): hyper's default (~400 KiB) let 1,000
@@ -152,6 +171,7 @@ mod tests {
             max_connections_per_address: 2,
             shutdown_grace: Duration::from_secs(5),
             tls_refusals: Default::default(),
+            send_buffer: SEND_BUFFER,
         }
     }
 
@@ -302,6 +322,44 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (answer, _) = exchange(server.addr, request).await;
         assert!(answer.starts_with("HTTP/1.1 200"), "the share frees with its connections: {answer}");
+    }
+
+    /// A peer that stops reading holds at most the bounded kernel buffer (and hyper's
+    /// 64 KiB): the body is not polled on. Unbounded, Linux let ~4 MiB through here.
+    #[tokio::test]
+    async fn a_reader_that_stalls_is_sent_no_more_than_the_bounded_buffers() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let produced = Arc::new(AtomicUsize::new(0));
+        let counted = produced.clone();
+        let flood = Router::new().route(
+            "/flood",
+            get(move || {
+                let counted = counted.clone();
+                async move {
+                    let chunks = futures::stream::repeat_with(move || {
+                        counted.fetch_add(16 * 1024, Ordering::Relaxed);
+                        Ok::<_, std::convert::Infallible>(axum::body::Bytes::from(vec![b'x'; 16 * 1024]))
+                    });
+                    axum::body::Body::from_stream(chunks)
+                }
+            }),
+        );
+        let mut l = limits();
+        l.request_timeout = Duration::from_secs(30);
+        let server = start(flood, l, None).await;
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut conn = socket.connect(server.addr).await.unwrap();
+        conn.write_all(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        let mut head = [0u8; 12];
+        conn.read_exact(&mut head).await.unwrap();
+        assert_eq!(&head[9..12], b"200");
+        // Never read again: whatever the server writes from now on stays in buffers.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let sent = produced.load(Ordering::Relaxed);
+        // 2 x 128 KiB in the kernel, 64 KiB in hyper, the peer's 4 KiB window, a chunk or two.
+        assert!(sent <= 512 * 1024, "{sent} bytes were taken from the body for a reader that stalled");
+        drop(conn);
     }
 
     #[tokio::test]
