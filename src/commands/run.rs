@@ -361,9 +361,8 @@ async fn serve_api(
 ) -> anyhow::Result<()> {
     let mut limits = transport::Limits::spec(max_connections, per_address);
     limits.tls_refusals = state.metrics.tls_reloads_refused.clone();
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen} (PRISM_LISTEN)"))?;
+    let listener =
+        transport::listen(listen, &limits).with_context(|| format!("cannot listen on {listen} (PRISM_LISTEN)"))?;
     if let Some(warning) = transport::plain_http_warning(listen, tls.is_some()) {
         warn!("{warning}");
     }

@@ -34,7 +34,7 @@ use axum_server::Handle;
 use axum_server::accept::DefaultAcceptor;
 use axum_server::tls_rustls::RustlsAcceptor;
 use tokio::net::TcpListener;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 pub mod cap;
 pub mod closing;
@@ -96,7 +96,19 @@ pub fn plain_http_warning(listen: SocketAddr, tls: bool) -> Option<String> {
     })
 }
 
-/// Serves `app` on `listener`, closing each connection after its answer once `closing`
+/// The API's listener on `addr`, its connections' kernel send buffer bounded
+/// ([`Limits::send_buffer`]): set before `listen`, so that every connection inherits it,
+/// even one the kernel accepts before the server first asks for it.
+pub fn listen(addr: SocketAddr, limits: &Limits) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    // As TcpListener::bind does: a restarted replica binds while old connections linger.
+    socket.set_reuseaddr(true)?;
+    socket.set_send_buffer_size(u32::try_from(limits.send_buffer).unwrap_or(u32::MAX))?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// Serves `app` on `listener` (from [`listen`]), closing each connection after its answer once `closing`
 /// is true, until `shutdown` completes, then drains connections. With `tls`, the pair is
 /// read now (an error is returned if it cannot be served) and watched for changes while
 /// serving.
@@ -119,10 +131,6 @@ pub async fn serve(
         shutdown.await;
         on_shutdown.graceful_shutdown(Some(grace));
     });
-    // The connections inherit it (Linux copies a listener's buffer sizes and their lock).
-    if let Err(error) = socket2::SockRef::from(&listener).set_send_buffer_size(limits.send_buffer) {
-        warn!(%error, bytes = limits.send_buffer, "the API listener's send buffer could not be bounded");
-    }
     let mut server = axum_server::Server::from_listener(listener).handle(handle).http1_only();
     // A connection whose reader stalls keeps at most this much in hyper's own buffer (and
     // the streams' one waiting event, SPEC §12): hyper's default (~400 KiB) let 1,000
@@ -197,7 +205,7 @@ mod tests {
 
     async fn start(app: Router, limits: Limits, tls: Option<CertFiles>) -> Running {
         crate::install_crypto_provider();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = listen("127.0.0.1:0".parse().unwrap(), &limits).unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let done = tokio::spawn(async move {

@@ -313,6 +313,8 @@ pub struct RunRegistry {
     /// wakes of waiting claims (one listener per process).
     signals: Signals,
     default_lease_seconds: u32,
+    /// Where hello signatures are checked (`prover`): off the runtime's workers.
+    prover: Option<super::prover::Prover>,
 }
 
 /// The platform's side and the operator's upkeep: what is asked of one store, passed on.
@@ -326,7 +328,8 @@ impl RunRegistry {
         signals: Signals,
         default_lease_seconds: u32,
     ) -> Self {
-        RunRegistry { sessions, identities, jobs, signals, default_lease_seconds }
+        let prover = super::prover::Prover::start();
+        RunRegistry { sessions, identities, jobs, signals, default_lease_seconds, prover }
     }
 
     /// The live identity of an address (in `namespace`, when given).
@@ -460,7 +463,10 @@ impl RunRegistry {
         let Some(identity) = self.identities.live(&address).await? else {
             return Ok(Err(HelloError::Refused(ProofRefused::UnknownIdentity)));
         };
-        if let Err(refused) = check_proof(h, identity.spec.key_generation, &identity.spec.public_key, now.timestamp()) {
+        let (generation, key) = (identity.spec.key_generation, &identity.spec.public_key);
+        if let Err(refused) =
+            super::prover::Prover::check(self.prover.as_ref(), h, generation, key, now.timestamp()).await
+        {
             return Ok(Err(HelloError::Refused(refused)));
         }
         Ok(Ok(Proven { hello: h, address, identity, now }))
