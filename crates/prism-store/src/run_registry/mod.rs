@@ -6,7 +6,6 @@ pub mod identity;
 pub mod jobs;
 // The safe projection of a session is the Kubernetes side's (status), and the API's.
 pub use prism_core::proof;
-mod prover;
 pub mod service;
 pub mod sessions;
 

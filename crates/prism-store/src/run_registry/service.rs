@@ -26,6 +26,9 @@ use super::sessions::{
 use crate::signals::Signals;
 use prism_core::run::RunTarget;
 
+// Hello signatures, checked on a thread of their own.
+mod prover;
+
 pub const TOKEN_PREFIX: &str = "prs1";
 const NO_CAPACITY: &BTreeMap<String, i64> = &BTreeMap::new();
 
@@ -314,7 +317,7 @@ pub struct RunRegistry {
     signals: Signals,
     default_lease_seconds: u32,
     /// Where hello signatures are checked (`prover`): off the runtime's workers.
-    prover: Option<super::prover::Prover>,
+    prover: Option<prover::Prover>,
 }
 
 /// The platform's side and the operator's upkeep: what is asked of one store, passed on.
@@ -328,7 +331,7 @@ impl RunRegistry {
         signals: Signals,
         default_lease_seconds: u32,
     ) -> Self {
-        let prover = super::prover::Prover::start();
+        let prover = prover::Prover::start();
         RunRegistry { sessions, identities, jobs, signals, default_lease_seconds, prover }
     }
 
@@ -465,7 +468,7 @@ impl RunRegistry {
         };
         let (generation, key) = (identity.spec.key_generation, &identity.spec.public_key);
         if let Err(refused) =
-            super::prover::Prover::check(self.prover.as_ref(), h, generation, key, now.timestamp()).await
+            prover::Prover::check(self.prover.as_ref(), h, generation, key, now.timestamp()).await
         {
             return Ok(Err(HelloError::Refused(refused)));
         }

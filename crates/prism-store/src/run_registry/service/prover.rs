@@ -10,7 +10,7 @@
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::service::{Hello, ProofRefused, check_proof};
+use super::{Hello, ProofRefused, check_proof};
 
 /// Proofs waiting for the thread; a caller past them waits to hand its own over.
 const QUEUE: usize = 256;
