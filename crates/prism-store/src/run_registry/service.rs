@@ -467,9 +467,7 @@ impl RunRegistry {
             return Ok(Err(HelloError::Refused(ProofRefused::UnknownIdentity)));
         };
         let (generation, key) = (identity.spec.key_generation, &identity.spec.public_key);
-        if let Err(refused) =
-            prover::Prover::check(self.prover.as_ref(), h, generation, key, now.timestamp()).await
-        {
+        if let Err(refused) = prover::Prover::check(self.prover.as_ref(), h, generation, key, now.timestamp()).await {
             return Ok(Err(HelloError::Refused(refused)));
         }
         Ok(Ok(Proven { hello: h, address, identity, now }))
