@@ -82,6 +82,34 @@ class Attribute(unittest.TestCase):
         self.assertIn("complete failed outside", err)
         self.assertIn("lost its session", err)
 
+    def test_a_session_lost_after_a_call_failed_in_a_stop_is_the_previous_release(self):
+        # 11:36:35 is in the window; the loss 25 s later, its lease unrenewed since.
+        log = colored("2026-12-07T11:36:35.000000Z", "WARN",
+                      "claim failed; retrying error=HTTP: error sending request for url (https://x/claim)")
+        log += colored("2026-12-07T11:37:00.000000Z", "WARN", "session lost; saying hello again error=expired")
+        code, out, err = self.run_it(log=log)
+        self.assertEqual((code, out), (0, "0 0"), err)
+        self.assertIn("lost session, the previous release's doing", err)
+        # A claim that began in the window may fail up to 40 s after it (0.2.0's claim timeout).
+        log = colored("2026-12-07T11:37:15.000000Z", "WARN", "heartbeat failed; retrying error=HTTP: timed out")
+        log += colored("2026-12-07T11:37:16.000000Z", "WARN", "session lost; saying hello again error=expired")
+        code, out, err = self.run_it(log=log)
+        self.assertEqual(code, 0, err)
+
+    def test_a_session_lost_with_no_failure_in_a_stop_before_it_is_refused(self):
+        # The only failure: 60 s after the window, beyond any call begun in it.
+        log = colored("2026-12-07T11:37:40.000000Z", "WARN", "claim failed; retrying error=HTTP: reset")
+        log += colored("2026-12-07T11:37:50.000000Z", "WARN", "session lost; saying hello again error=expired")
+        code, _, err = self.run_it(log=log)
+        self.assertEqual(code, 1, err)
+        self.assertIn("with no call failed in a stop", err)
+        self.assertIn("11:37:40.000Z claim failed", err, "the Run's failures around it are shown")
+        # A failure in the window, but longer than the lease before the loss.
+        log = colored("2026-12-07T11:36:35.000000Z", "WARN", "claim failed; retrying error=HTTP: reset")
+        log += colored("2026-12-07T11:37:20.000000Z", "WARN", "session lost; saying hello again error=expired")
+        code, _, err = self.run_it(log=log)
+        self.assertEqual(code, 1, err)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -13,6 +13,8 @@ use crate::run_client::{self, ClientError, RunClient};
 /// How long demo-run keeps saying hello while the operator answers "not now" (429 or 503
 /// with `Retry-After`) before it gives up.
 const HELLO_PATIENCE: Duration = Duration::from_secs(600);
+/// How soon a failed heartbeat is tried again.
+const HEARTBEAT_RETRY: Duration = Duration::from_secs(1);
 
 pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
     let key = run_client::read_key(&args.key_file)?;
@@ -85,7 +87,13 @@ pub async fn run(args: DemoRunArgs) -> anyhow::Result<()> {
                         next_beat = Instant::now() + every(&granted);
                         continue;
                     }
-                    _ => warn!(error = %e, "heartbeat failed; retrying"),
+                    // Soon, not an interval on: two failures an interval apart (the two
+                    // replicas of a rolling update going, each refused for a moment) would
+                    // leave the lease unrenewed for three intervals, its whole length.
+                    _ => {
+                        warn!(error = %e, "heartbeat failed; retrying");
+                        next_beat = Instant::now() + HEARTBEAT_RETRY;
+                    }
                 },
             }
         }

@@ -17,7 +17,9 @@ use crate::run_registry::proof;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("HTTP: {0}")]
+    /// With its causes: reqwest's own text ("error sending request for url …") does not
+    /// say whether the connection was refused, timed out or reset, which a log must.
+    #[error("HTTP: {}", causes(.0))]
     Http(#[from] reqwest::Error),
     /// The operator said no: HTTP status, the error code of the body, and when to try
     /// again if it said (`Retry-After`: a rate limit, an unavailable backend).
@@ -83,9 +85,33 @@ pub const POOL_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 /// waits in it that nothing bounded.)
 pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// How long opening a connection may take. A replica that has just gone can still be
+/// chosen by the Service for a second or two, and a connection to its address is then
+/// neither refused nor answered: without this bound the call waits out its
+/// [`CALL_TIMEOUT`] (40 s for a long poll), longer than the default 30 s lease, and
+/// the Run loses its session over one unlucky connection. Five seconds is far above a
+/// connect (and TLS handshake) to a live replica, even a busy one.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn client_builder() -> reqwest::ClientBuilder {
     crate::install_crypto_provider();
-    reqwest::Client::builder().pool_idle_timeout(POOL_IDLE_TIMEOUT)
+    reqwest::Client::builder().pool_idle_timeout(POOL_IDLE_TIMEOUT).connect_timeout(CONNECT_TIMEOUT)
+}
+
+/// An error with its chain of causes, `: `-separated.
+fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        // hyper and reqwest repeat a cause's text in their own at times.
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 /// An HTTP client for the operator's API that also trusts the CA certificates (PEM) in
@@ -352,5 +378,42 @@ impl RunClient {
             }
         }
         done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener whose accept queue is full drops new connections' SYNs: the connect is
+    /// neither refused nor answered, as with a replica the Service still names after it
+    /// went. Real sockets; no mock.
+    #[tokio::test]
+    async fn a_connection_nobody_answers_fails_at_the_connect_timeout_and_says_so() {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(1).unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Never accepted: these fill the queue (Linux takes backlog + 1).
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            if let Ok(Ok(s)) =
+                tokio::time::timeout(std::time::Duration::from_millis(300), tokio::net::TcpStream::connect(addr)).await
+            {
+                held.push(s);
+            }
+        }
+        let http = http_client(None).unwrap();
+        let started = std::time::Instant::now();
+        let sent = http.get(format!("http://{addr}/healthz")).timeout(CALL_TIMEOUT).send().await;
+        let took = started.elapsed();
+        let err = ClientError::from(sent.expect_err("nobody answers"));
+        assert!(
+            took < CONNECT_TIMEOUT + std::time::Duration::from_secs(3),
+            "failed after {took:?}, not at the connect timeout"
+        );
+        assert!(took >= CONNECT_TIMEOUT - std::time::Duration::from_millis(500), "failed early ({took:?}): {err}");
+        assert!(err.to_string().contains("tcp connect error: deadline has elapsed"), "the log says why: {err}");
+        drop(held);
     }
 }
