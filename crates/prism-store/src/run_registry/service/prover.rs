@@ -35,6 +35,7 @@ impl Prover {
     pub(crate) fn start() -> Option<Prover> {
         let (jobs, mut queue) = mpsc::channel::<Job>(QUEUE);
         let started = std::thread::Builder::new().name("prism-proofs".into()).spawn(move || {
+            lower_priority();
             while let Some(job) = queue.blocking_recv() {
                 let checked = check_proof(&job.hello, job.key_generation, &job.public_key, job.now);
                 // The caller may have gone (its request was cut): nothing to tell.
@@ -72,6 +73,24 @@ impl Prover {
     }
 }
 
+/// How much lower than the workers the proof thread runs (nice 10: about a tenth of a
+/// contended core against a worker's share). On two cores a flood of forged hellos kept
+/// this thread busy at the workers' priority and every heartbeat waited for a core; a
+/// Run's hello waits instead. Linux's nice value is per thread (setpriority(2), BUGS),
+/// so `who = 0` is this thread alone.
+const NICE: i32 = 10;
+
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: setpriority only reads its arguments; 0 names the calling thread.
+    let refused = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, NICE) } != 0;
+    #[cfg(not(target_os = "linux"))]
+    let refused = false;
+    if refused {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "the proof thread keeps the workers' priority");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use base64::Engine as _;
@@ -95,6 +114,29 @@ mod tests {
             capabilities: None,
             capacity: None,
         }
+    }
+
+    /// The proofs' thread runs below the workers (its nice value, read from /proc).
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn the_thread_runs_below_the_workers_priority() {
+        let prover = Prover::start().expect("a thread");
+        let key = SigningKey::from_bytes(&[7u8; 32]);
+        let public = STANDARD.encode(key.verifying_key().to_bytes());
+        // Once it has answered, it has lowered itself.
+        let _ = Prover::check(Some(&prover), &signed(&key, 1_764_400_000, "n-0"), 2, &public, 1_764_400_000).await;
+        let mut nices = Vec::new();
+        for task in std::fs::read_dir("/proc/self/task").unwrap() {
+            let dir = task.unwrap().path();
+            if std::fs::read_to_string(dir.join("comm")).unwrap_or_default().trim() == "prism-proofs" {
+                let stat = std::fs::read_to_string(dir.join("stat")).unwrap();
+                // Fields after the command's closing parenthesis: nice is the 17th.
+                let after = &stat[stat.rfind(')').unwrap() + 2..];
+                nices.push(after.split(' ').nth(16).unwrap().parse::<i32>().unwrap());
+            }
+        }
+        assert!(!nices.is_empty(), "no prism-proofs thread");
+        assert!(nices.iter().all(|n| *n == NICE), "nice values of the proof threads: {nices:?}");
     }
 
     /// The thread answers as the function does, for each of many callers at once.
